@@ -1,0 +1,94 @@
+"""``ssd`` command: generate, fetch (and later chat/serve/bench)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from ssd.cli.common import add_engine_args, engine_kwargs, sampling_from_args
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from ssd.llm import LLM
+
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            prompts.extend(line.rstrip("\n") for line in f if line.strip())
+    if not prompts:
+        print("error: give --prompt (repeatable) or --prompts-file", file=sys.stderr)
+        return 2
+    params = sampling_from_args(args)
+    llm = LLM(**engine_kwargs(args))
+    try:
+        start = time.perf_counter()
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1)
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+        elapsed = time.perf_counter() - start
+    finally:
+        llm.shutdown()
+    total_tokens = sum(len(o.token_ids) for o in outputs)
+    for prompt, out in zip(prompts, outputs):
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": out.text, "finish_reason": out.finish_reason,
+                              "num_tokens": len(out.token_ids)}))
+        else:
+            print(f"=== {prompt!r}\n{out.text}\n[{len(out.token_ids)} tokens, finish={out.finish_reason}]")
+    summary = f"{len(outputs)} requests, {total_tokens} tokens in {elapsed:.2f} s ({total_tokens / elapsed:.1f} tok/s)"
+    if llm.engine.spec is not None:
+        s = llm.stats
+        summary += f"; mean acceptance length {s.mean_acceptance_length:.2f}"
+        if s.cache_lookups:
+            summary += f", SSD cache hit rate {s.cache_hit_rate:.1%}"
+    print(summary, file=sys.stderr)
+    return 0
+
+
+def _cmd_fetch(args: argparse.Namespace) -> int:
+    from ssd.models.fetch import fetch_default_target
+
+    path = fetch_default_target(args.cache_dir, dtype=args.dtype)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ssd", description="LLM inference with speculative speculative decoding")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for one or more prompts")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    gen.add_argument("--prompts-file", help="a text file with one prompt per line")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.set_defaults(func=_cmd_generate)
+
+    fetch = sub.add_parser("fetch", help="download and convert the default target model (SmolLM2-135M-Instruct)")
+    fetch.add_argument("--cache-dir", default=None, help="where converted models live (default: user cache)")
+    fetch.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    fetch.set_defaults(func=_cmd_fetch)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Typed engine configuration with validation at construction time."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNIT_POWER = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """'512MiB', '2GB', '1.5G' or a plain number of bytes -> bytes."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"memory size must be positive, got {value!r}")
+        return int(value)
+    match = _SIZE_RE.match(str(value))
+    if not match:
+        raise ValueError(f"cannot parse memory size {value!r}; use e.g. '512MiB', '2GB' or a number of bytes")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    base = 1024 if "I" in unit else 1000
+    result = int(number * base ** _UNIT_POWER[unit[0]])
+    if result <= 0:
+        raise ValueError(f"memory size must be positive, got {value!r}")
+    return result
+
+
+SPEC_METHODS = ("draft_model", "ssd")
+FALLBACKS = ("jit", "random", "auto")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding options, named as in vLLM where a counterpart exists."""
+
+    method: str = "draft_model"
+    model: str | None = None
+    num_speculative_tokens: int = 4
+    draft_dtype: str | None = None  # default: the target's dtype
+    # SSD only
+    fan_out: int | list[int] | str = 2
+    fan_out_miss: int | list[int] | str | None = None
+    fallback: str = "jit"
+    saguaro_c: float = 1.0
+    draft_device: str | None = None
+    draft_threads: int | None = None
+    draft_timeout_s: float = 60.0
+
+    @classmethod
+    def from_any(cls, value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, got {type(value).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; allowed: {sorted(known)}")
+        return cls(**value)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not supported; choose one of {SPEC_METHODS}")
+        if not self.model:
+            raise ValueError("speculative_config needs 'model': the path of the draft checkpoint")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
+        if self.fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
+        if not (0.0 < float(self.saguaro_c) <= 1.0):
+            raise ValueError(f"saguaro_c must be in (0, 1], got {self.saguaro_c!r}")
+        if self.draft_timeout_s <= 0:
+            raise ValueError(f"draft_timeout_s must be positive, got {self.draft_timeout_s!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs to start; validated eagerly so mistakes surface before any model loads."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 4096
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None  # bytes for the KV cache (target); default from kv_cache_fraction
+    kv_cache_fraction: float = 0.25  # of currently available device memory, when kv_cache_memory is unset
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads for this process (CPU)
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if not 0.0 < self.kv_cache_fraction <= 0.95:
+            raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction!r}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+            raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
+        self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
+
+
+DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}

@@ -1,0 +1,315 @@
+"""The engine loop: admit requests, schedule, execute one step, apply the results, report outputs.
+
+``schedule -> execute -> update`` and nothing else lives here; models, caches, sampling and speculation
+are behind :class:`StepExecutor` and the proposers. Speculation never mutates sequence state: only
+:meth:`LLMEngine._update` appends tokens, moves ``num_computed_tokens`` and frees KV blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from ssd.config import EngineConfig
+from ssd.core.block_pool import BlockPool
+from ssd.core.kv_cache_manager import KVCacheManager
+from ssd.core.scheduler import Scheduler, SchedulerConfig
+from ssd.core.sequence import FinishReason, Sequence, SequenceStatus
+from ssd.executor.model_runner import ModelRunner
+from ssd.executor.step_executor import RowContext, StepExecutor, StepResult
+from ssd.outputs import RequestMetrics, RequestOutput, SpecStats, TokenLogprob
+from ssd.sample.sampler import make_generator
+from ssd.sampling_params import SamplingParams
+from ssd.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class EncodedPrompt(NamedTuple):
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    seq: Sequence
+    params: SamplingParams
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer
+    metrics: RequestMetrics
+    stop_token_ids: set[int]
+    spec_stats: SpecStats = field(default_factory=SpecStats)
+    logprobs: list[TokenLogprob] | None = None
+    speculation: str = "off"
+    num_reported_tokens: int = 0
+    num_reported_chars: int = 0
+
+
+class LLMEngine:
+    """Synchronous engine: call :meth:`add_request`, then :meth:`step` until :meth:`has_unfinished`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = torch.device(config.device)
+        self.tokenizer = Tokenizer(config.tokenizer or config.model)
+        self.runner = ModelRunner(
+            config.model,
+            config.dtype,
+            self.device,
+            config.block_size,
+            config.max_model_len,
+            config.kv_cache_memory,
+            config.kv_cache_fraction,
+        )
+        self.max_model_len = self.runner.max_model_len
+        self.kv_manager = KVCacheManager(
+            BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.kv_manager,
+        )
+        self.default_generator = torch.Generator(device=self.device)
+        self.default_generator.manual_seed(config.seed)
+        self.spec = config.speculative_config
+        self.proposer = self._build_proposer() if self.spec is not None else None
+        self.executor = StepExecutor(self.runner, self.proposer, self.default_generator)
+        self.requests: dict[int, Request] = {}
+        self.stats = SpecStats()
+        self._seq_ids = itertools.count()
+
+    def _build_proposer(self):
+        from ssd.spec.factory import build_proposer
+
+        return build_proposer(self)
+
+    # ---------------------------------------------------------------- requests
+    def add_request(
+        self,
+        prompt: "str | list[int] | EncodedPrompt",
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = prompt if isinstance(prompt, EncodedPrompt) else self.encode_prompt(prompt)
+        seq_id = next(self._seq_ids)
+        now = time.monotonic()
+        seq = Sequence(seq_id, token_ids, params, arrival_time=now)
+        stop_ids = set(params.stop_token_ids or [])
+        eos = self._eos_token_ids()
+        if not params.ignore_eos:
+            stop_ids |= eos
+        request = Request(
+            request_id=request_id if request_id is not None else str(seq_id),
+            prompt=text,
+            seq=seq,
+            params=params,
+            generator=make_generator(params.seed, self.device),
+            detokenizer=IncrementalDetokenizer(
+                self.tokenizer, list(params.stop or []), params.include_stop_str_in_output, params.skip_special_tokens
+            ),
+            metrics=RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids)),
+            stop_token_ids=stop_ids,
+            logprobs=[] if params.logprobs is not None else None,
+            speculation=self.spec.method if self.spec is not None else "off",
+        )
+        self.requests[seq_id] = request
+        self.scheduler.add(seq)
+        return request
+
+    def encode_prompt(self, prompt: str | list[int]) -> "EncodedPrompt":
+        """Tokenize and validate a prompt (empty, out-of-vocabulary ids, too long for max_model_len)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty; give at least one character or token id")
+            text, token_ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)):
+            text, token_ids = None, list(prompt)
+            if not token_ids:
+                raise ValueError("prompt token id list is empty")
+            bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.runner.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt token ids must be integers in [0, {self.runner.vocab_size}); got {bad[:5]}"
+                )
+        else:
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; the prompt must "
+                f"leave room for at least one generated token (at most {self.max_model_len - 1} prompt tokens)"
+            )
+        return EncodedPrompt(text, token_ids)
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = set(self.runner.arch.eos_token_id or [])
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        for seq_id, request in list(self.requests.items()):
+            if request.request_id == request_id and not request.seq.is_finished:
+                self.scheduler.abort(seq_id)
+                self._release(request, FinishReason.ABORT)
+                del self.requests[seq_id]
+                return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------- stepping
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns outputs of the requests that produced tokens or finished."""
+        plan = self.scheduler.schedule(self._lookahead)
+        for seq in plan.preempted:
+            if self.proposer is not None:
+                self.proposer.release(seq)
+        if not plan.scheduled:
+            return []
+        now = time.monotonic()
+        contexts = {}
+        for s in plan.scheduled:
+            request = self.requests[s.seq.seq_id]
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            contexts[s.seq.seq_id] = RowContext(
+                seq=s.seq,
+                generator=request.generator,
+                banned_token_ids=self._banned_tokens(request),
+                speculate=self._speculates(request),
+            )
+        result = self.executor.execute(plan.scheduled, contexts)
+        return self._update(plan.scheduled, result)
+
+    def _lookahead(self, seq: Sequence) -> int:
+        """Draft tokens a decoding sequence gets this round (0 = plain decoding)."""
+        if self.spec is None or not self._speculates(self.requests[seq.seq_id]):
+            return 0
+        remaining_len = self.max_model_len - seq.num_tokens
+        remaining_out = seq.sampling_params.max_tokens - seq.num_output_tokens - 1
+        return max(0, min(self.spec.num_speculative_tokens, remaining_len, remaining_out))
+
+    def _speculates(self, request: Request) -> bool:
+        # While EOS is banned (min_tokens) the processed distribution depends on the output position; plain
+        # decoding serves those few tokens so verification stays exact.
+        return self.proposer is not None and request.seq.num_output_tokens >= request.params.min_tokens
+
+    def _banned_tokens(self, request: Request) -> list[int]:
+        if request.seq.num_output_tokens < request.params.min_tokens:
+            return sorted(request.stop_token_ids)
+        return []
+
+    def _update(self, scheduled, result: StepResult) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for s in scheduled:
+            seq = s.seq
+            request = self.requests[seq.seq_id]
+            seq.num_computed_tokens = result.num_computed[seq.seq_id]
+            new_tokens = result.new_tokens.get(seq.seq_id, [])
+            round_ = result.rounds.get(seq.seq_id)
+            if round_ is not None:
+                request.spec_stats.record_round(round_.num_drafts, round_.num_accepted)
+                self.stats.record_round(round_.num_drafts, round_.num_accepted)
+            if not new_tokens:
+                self.kv_manager.cache_full_blocks(seq)
+                continue
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            logprobs = result.logprobs.get(seq.seq_id)
+            reason = None
+            for i, token in enumerate(new_tokens):
+                seq.append_tokens([token])
+                if request.logprobs is not None and logprobs is not None:
+                    request.logprobs.append(logprobs[i])
+                reason = self._check_stop(request, token)
+                if reason is not None:
+                    break
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+            self.kv_manager.cache_full_blocks(seq)
+            if reason is None:
+                self.kv_manager.trim(seq)
+            outputs.append(self._finish_or_report(request, reason, now))
+        if self.proposer is not None and result.rounds:
+            self.proposer.on_verified(list(result.rounds.values()))
+        return outputs
+
+    def _check_stop(self, request: Request, token: int) -> FinishReason | None:
+        seq, params = request.seq, request.params
+        if token in request.stop_token_ids:  # banned below min_tokens, so never seen early
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish_or_report(self, request: Request, reason: FinishReason | None, now: float) -> RequestOutput:
+        seq = request.seq
+        new_text, stopped = request.detokenizer.update(self._visible_output(request, reason))
+        if stopped and reason is None:
+            reason = FinishReason.STOP
+        if reason is not None:
+            request.metrics.finished_time = now
+            self.scheduler.finish(seq, reason)
+            self._release(request, reason)
+        output = self._make_output(request, new_text)
+        if reason is not None:
+            del self.requests[seq.seq_id]
+        return output
+
+    def _visible_output(self, request: Request, reason: FinishReason | None) -> list[int]:
+        """Output ids to detokenize: a stop token id is not part of the text (as in vLLM)."""
+        ids = request.seq.output_token_ids
+        if reason is FinishReason.STOP and ids and ids[-1] in request.stop_token_ids:
+            return ids[:-1]
+        return ids
+
+    def _release(self, request: Request, reason: FinishReason) -> None:
+        if self.proposer is not None:
+            self.proposer.release(request.seq)
+
+    def _make_output(self, request: Request, new_text: str) -> RequestOutput:
+        seq = request.seq
+        m = request.metrics
+        m.num_output_tokens = seq.num_output_tokens
+        m.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
+        m.num_preemptions = seq.num_preemptions
+        new_ids = seq.output_token_ids[request.num_reported_tokens :]
+        request.num_reported_tokens = seq.num_output_tokens
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=request.detokenizer.text,
+            token_ids=list(seq.output_token_ids),
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason is not None else None,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            logprobs=request.logprobs,
+            metrics=m,
+            spec_stats=request.spec_stats if self.spec is not None else None,
+            speculation=request.speculation,
+        )
+
+    def shutdown(self) -> None:
+        if self.proposer is not None:
+            self.proposer.shutdown()
+            self.proposer = None

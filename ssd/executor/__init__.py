@@ -1,0 +1,1 @@
+"""Model execution: batch -> model inputs, forward passes, KV tensors, attention backends."""

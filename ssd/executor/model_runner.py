@@ -1,0 +1,137 @@
+"""Owns one model and its paged KV cache; turns per-sequence work items into one forward pass.
+
+Target and draft each have a runner (with their own block pools). The runner knows nothing about
+scheduling or sampling: it receives :class:`ForwardItem`s (which tokens, at which positions, into which
+blocks, with which mask) and returns logits for the rows the caller asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ssd.executor.attention import KVCache
+from ssd.executor.attention_layout import SequenceLayout, block_slots, build_attention_metadata
+from ssd.executor.memory import available_memory_bytes
+from ssd.models.arch import ModelArchConfig
+from ssd.models.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass
+class ForwardItem:
+    """One sequence's share of a forward pass.
+
+    ``token_ids`` are written at logical positions ``start_pos ..``; their slots come from ``block_table``
+    unless ``write_slots``/``read_slots``/``positions``/``mask`` are given explicitly (tree decoding puts
+    branch tokens in scratch slots whose order differs from their logical positions). ``num_logits`` is how
+    many trailing tokens need logits (0 for a non-final prefill chunk, 1 for decode, K+1 for verification).
+    """
+
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    num_logits: int = 1
+    positions: np.ndarray | None = None
+    write_slots: np.ndarray | None = None
+    read_slots: np.ndarray | None = None
+    mask: np.ndarray | None = None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str,
+        device: str | torch.device,
+        block_size: int,
+        max_model_len: int | None,
+        kv_cache_memory: int | None,
+        kv_cache_fraction: float,
+        num_blocks: int | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.dtype = TORCH_DTYPES[dtype]
+        self.block_size = block_size
+        start = time.perf_counter()
+        self.model, self.arch = load_model(model_path, dtype=self.dtype, device=self.device)
+        self.model.eval()
+        logger.info("loaded %s (%s) in %.2f s", model_path, self.arch.architecture, time.perf_counter() - start)
+        limit = self.arch.max_position_embeddings or 4096
+        self.max_model_len = min(limit, 4096) if max_model_len is None else max_model_len
+        if self.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}"
+            )
+        if num_blocks is None:
+            num_blocks = self._plan_num_blocks(kv_cache_memory, kv_cache_fraction)
+        self.num_blocks = num_blocks
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.arch.vocab_size
+
+    def bytes_per_block(self) -> int:
+        arch: ModelArchConfig = self.arch
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * arch.num_hidden_layers * self.block_size * arch.num_key_value_heads * arch.head_dim * element
+
+    def _plan_num_blocks(self, kv_cache_memory: int | None, fraction: float) -> int:
+        budget = kv_cache_memory if kv_cache_memory is not None else int(available_memory_bytes(self.device) * fraction)
+        num_blocks = budget // self.bytes_per_block()
+        needed = -(-self.max_model_len // self.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"KV cache budget of {budget / 2**20:.1f} MiB holds {num_blocks} blocks of {self.block_size} tokens, "
+                f"but one sequence of max_model_len={self.max_model_len} tokens needs {needed}; raise kv_cache_memory "
+                f"(about {needed * self.bytes_per_block() / 2**20:.1f} MiB needed) or lower max_model_len"
+            )
+        return int(num_blocks)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
+        arch = self.arch
+        shape = (num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
+        return [
+            KVCache(
+                key=torch.zeros(shape, dtype=self.dtype, device=self.device),
+                value=torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(arch.num_hidden_layers)
+        ]
+
+    @torch.inference_mode()
+    def forward(self, items: list[ForwardItem]) -> torch.Tensor:
+        """Run one forward pass; returns float32 logits ``[sum(num_logits), V]`` in item order."""
+        token_ids, positions, layouts, logit_rows = [], [], [], []
+        offset = 0
+        for item in items:
+            n = len(item.token_ids)
+            end = item.start_pos + n
+            token_ids.extend(item.token_ids)
+            positions.append(item.positions if item.positions is not None else np.arange(item.start_pos, end))
+            write = item.write_slots
+            if write is None:
+                write = block_slots(item.block_table, self.block_size, item.start_pos, end)
+            read = item.read_slots
+            if read is None:
+                read = block_slots(item.block_table, self.block_size, 0, end)
+            layouts.append(SequenceLayout(write_slots=write, read_slots=read, mask=item.mask))
+            logit_rows.extend(range(offset + n - item.num_logits, offset + n))
+            offset += n
+        meta = build_attention_metadata(layouts, self.device)
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [T]
+        pos = torch.from_numpy(np.concatenate(positions).astype(np.int64)).to(self.device)  # [T]
+        hidden = self.model(input_ids, pos, meta, self.kv_caches)  # [T, H]
+        if len(logit_rows) == offset:
+            selected = hidden
+        else:
+            selected = hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]  # [N, H]
+        return self.model.compute_logits(selected)  # [N, V] float32

@@ -1,0 +1,1 @@
+"""Model implementations (Llama, Qwen2, Qwen3) and checkpoint loading."""

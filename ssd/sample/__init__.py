@@ -1,0 +1,1 @@
+"""Sampling: logits processing (temperature, top-k, top-p) and per-request random generators."""

@@ -1,0 +1,1 @@
+"""Speculative decoding: verification, draft proposers and SSD."""
