@@ -1,0 +1,125 @@
+"""Speculative verification (rejection sampling): exact by construction, pure tensors, no model code.
+
+Given the target's processed distributions p_0..p_K over the speculation [t_n, d_1..d_K] and the exact
+distributions q_1..q_K the drafts were drawn from, emits the accepted prefix plus one recovery or bonus
+token. The emitted tokens are distributed exactly as sampling from p autoregressively (DESIGN.md §2),
+whatever q is, as long as q_i is truly the distribution d_i was drawn from.
+
+Indexing: drafts are 0-based here, so draft j (= d_{j+1}) is checked against p_j = target_probs[:, j]
+and q_j = draft_probs[:, j].
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ssd.sample.sampler import draw_uniforms, sample_with_uniforms
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class VerifyResult:
+    """Per row: how many drafts were accepted, and the tokens to append to the sequence."""
+
+    num_accepted: list[int]  # k per row, in [0, n_i]
+    output_tokens: list[list[int]]  # accepted drafts then the recovery/bonus token; length k + 1
+
+
+def verify(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    greedy: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    num_draft_tokens: Sequence[int] | None = None,
+    default_generator: torch.Generator | None = None,
+) -> VerifyResult:
+    """Accepts drafts in order and emits one recovery or bonus token per row.
+
+    Shapes: target_probs [B, K+1, V], draft_probs [B, K, V], draft_tokens [B, K], greedy [B] bool.
+    Row i uses only its first n_i = num_draft_tokens[i] drafts (default K); its other draft entries are
+    ignored (they may hold any padding value, e.g. -1) and its bonus comes from p_{n_i}; n_i = 0 is
+    plain sampling from p_0.
+
+    - greedy rows: accept draft j iff it equals argmax p_j; emit argmax p_k where k = accepted count
+      (the correction at the first mismatch, or the bonus). draft_probs are not read for them.
+    - sampled rows: accept draft j iff q_j(d) > 0 and u_j * q_j(d) < p_j(d), i.e. with probability
+      min(1, p/q); a draft with q(d) = 0 could not have been drawn from q and is rejected. At the
+      first rejection sample from norm(max(0, p_k - q_k)), or from p_k if rounding left that residual
+      all zero; if all n_i drafts are accepted sample the bonus from p_{n_i}.
+
+    Randomness consumed: each row with its own generator makes exactly one call
+    `torch.rand(n_i + 1, dtype=float64)` on it (greedy rows too, so streams never depend on outcomes
+    or batch composition): entries 0..n_i-1 are the acceptance uniforms u_j, entry n_i drives the
+    inverse-CDF draw of the final token. With n_i = 0 this is the same single draw as
+    `ssd.sample.sampler.sample`, so the two give identical tokens from identical generator states.
+    Unseeded rows share one draw on `default_generator` (or torch's global RNG).
+    """
+    if target_probs.dim() != 3:
+        raise ValueError(f"target_probs must be [B, K+1, V], got {tuple(target_probs.shape)}")
+    b, k_plus_1, vocab = target_probs.shape
+    k_max = k_plus_1 - 1
+    if draft_probs.shape != (b, k_max, vocab):
+        raise ValueError(
+            f"draft_probs must be [B, K, V] = {(b, k_max, vocab)}, got {tuple(draft_probs.shape)}"
+        )
+    if draft_tokens.shape != (b, k_max):
+        raise ValueError(
+            f"draft_tokens must be [B, K] = {(b, k_max)}, got {tuple(draft_tokens.shape)}"
+        )
+    if greedy.shape != (b,) or len(generators) != b:
+        raise ValueError(
+            f"need greedy of shape ({b},) and {b} generators, got {tuple(greedy.shape)} and "
+            f"{len(generators)}"
+        )
+    if num_draft_tokens is None:
+        counts = [k_max] * b
+    else:
+        counts = [int(n) for n in num_draft_tokens]
+        if len(counts) != b or any(n < 0 or n > k_max for n in counts):
+            raise ValueError(
+                f"num_draft_tokens must list {b} values in [0, {k_max}], got {list(num_draft_tokens)}"
+            )
+
+    device = target_probs.device
+    p = target_probs.float()  # [B, K+1, V]
+    q = draft_probs.float().to(device)  # [B, K, V]
+    greedy = greedy.to(device)  # [B]
+    n = torch.tensor(counts, dtype=torch.int64, device=device)  # [B]
+    valid = torch.arange(k_max, device=device)[None, :] < n[:, None]  # [B, K]
+    tokens = torch.where(valid, draft_tokens.to(device=device, dtype=torch.int64), 0)  # [B, K]
+
+    u = draw_uniforms(generators, [c + 1 for c in counts], k_plus_1, device, default_generator)  # [B, K+1]
+
+    p_argmax = p.argmax(dim=-1)  # [B, K+1]
+    p_d = p[:, :k_max].gather(2, tokens[..., None]).squeeze(-1)  # [B, K]
+    q_d = q.gather(2, tokens[..., None]).squeeze(-1)  # [B, K]
+    accept_sampled = (q_d > 0) & (u[:, :k_max] * q_d < p_d)  # [B, K]
+    accept_greedy = tokens == p_argmax[:, :k_max]  # [B, K]
+    accept = torch.where(greedy[:, None], accept_greedy, accept_sampled) & valid  # [B, K]
+    num_accepted = accept.to(torch.int64).cumprod(dim=-1).sum(dim=-1)  # [B]
+    rejected = num_accepted < n  # [B]
+
+    p_final = p.gather(1, num_accepted[:, None, None].expand(b, 1, vocab)).squeeze(1)  # [B, V]
+    if k_max > 0:
+        q_index = num_accepted.clamp(max=k_max - 1)[:, None, None].expand(b, 1, vocab)  # [B, 1, V]
+        q_final = q.gather(1, q_index).squeeze(1)  # [B, V]
+        residual = (p_final - q_final).clamp(min=0.0)  # [B, V]
+        use_residual = rejected & (residual.sum(dim=-1) > 0)  # [B]
+        dist = torch.where(use_residual[:, None], residual, p_final)  # [B, V]
+    else:
+        dist = p_final  # [B, V]
+    u_final = u.gather(1, n[:, None]).squeeze(1)  # [B]
+    sampled = sample_with_uniforms(dist, u_final)  # [B]
+    final = torch.where(greedy, p_argmax.gather(1, num_accepted[:, None]).squeeze(1), sampled)  # [B]
+
+    accepted_list = num_accepted.tolist()
+    token_rows = tokens.tolist()
+    final_list = final.tolist()
+    outputs = [row[:k] + [t] for row, k, t in zip(token_rows, accepted_list, final_list)]
+    return VerifyResult(num_accepted=accepted_list, output_tokens=outputs)
