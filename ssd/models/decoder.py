@@ -1,0 +1,248 @@
+"""Decoder-only transformer covering Llama, Mistral, Qwen2 and Qwen3 by configuration flags.
+
+These architectures differ only in small switches (q/k/v bias, per-head q/k RMSNorm, RoPE scaling, tied
+embeddings), so one implementation keeps exactness fixes in one place. The forward pass takes a flat batch
+of tokens from many sequences and does all attention through :func:`paged_attention`, which makes prefill,
+decode, verification and tree decoding the same call with different metadata.
+
+Projections that read the same input are fused (q/k/v, gate/up) into :class:`MergedLinear`, whose named
+output shards tell the loader where each HF tensor goes and tell a tensor-parallel split how to cut the
+weight column-wise per shard (o_proj and down_proj are the row-wise halves).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ssd.executor.attention import AttentionMetadata, KVCache, paged_attention
+from ssd.models.arch import ModelArchConfig, RopeScaling
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back before the weight, exactly as HF does (bf16 parity)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class MergedLinear(nn.Linear):
+    """A Linear whose output rows stack several logical projections so that one GEMM serves them all."""
+
+    def __init__(
+        self, in_features: int, shard_sizes: dict[str, int], bias: bool, dtype: torch.dtype | None = None
+    ) -> None:
+        super().__init__(in_features, sum(shard_sizes.values()), bias=bias, dtype=dtype)
+        self.shard_sizes = dict(shard_sizes)
+
+    def shard_slice(self, name: str) -> slice:
+        """Rows of the fused weight (and bias) that hold shard ``name``."""
+        start = 0
+        for shard, size in self.shard_sizes.items():
+            if shard == name:
+                return slice(start, start + size)
+            start += size
+        raise KeyError(f"unknown shard {name!r}; shards: {list(self.shard_sizes)}")
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """Inverse RoPE frequencies in float32, with Llama 3.1 scaling when configured. Returns ``[head_dim/2]``."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # [D/2]
+    if scaling is None:
+        return inv_freq
+    # Llama 3.1: keep high frequencies, divide low frequencies by `factor`, interpolate smoothly between.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq  # [D/2]
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (rotate-half) RoPE; angles are computed in float32 from positions, then cast to x's dtype."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, head_dim: int, theta: float, scaling: RopeScaling | None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.scaling = scaling
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+
+    def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
+        # `.to(bf16)`, `.to_empty()` or a meta-device build would degrade or drop inv_freq; it must stay an
+        # exact float32 table, so recompute it wherever the module lands.
+        super()._apply(fn, recurse)
+        device = self.inv_freq.device
+        if device.type != "meta":
+            self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        return self
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Half-width cos/sin tables ``[T, 1, D/2]`` shared by every layer of one forward pass."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, H, D]`` by cos/sin ``[T, 1, D/2]``; same arithmetic as HF's ``x*cos + rotate_half(x)*sin``."""
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # [T, H, D]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = MergedLinear(
+            cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}, bias=cfg.qkv_bias, dtype=dtype
+        )
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, D/2]
+        sin: torch.Tensor,  # [T, 1, D/2]
+        cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2*Hkv) * D]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = paged_attention(q, k, v, cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, q_size))  # [T, hidden]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size}, bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)  # [T, hidden]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, meta)  # [T, hidden]
+        return h + self.mlp(self.post_attention_layernorm(h))  # [T, hidden]
+
+
+class DecoderLM(nn.Module):
+    """Causal LM over a flat batch of tokens with a paged KV cache.
+
+    Parameter names follow HF's (minus the ``model.`` prefix) except for the fused ``qkv_proj`` and
+    ``gate_up_proj``; with tied embeddings there is no ``lm_head`` and logits use ``embed_tokens.weight``.
+    """
+
+    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+        )
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
+        """Shape of one layer's key (and value) cache tensor, as :class:`KVCache` expects."""
+        return (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def allocate_kv_caches(
+        self,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> list[KVCache]:
+        """Zeroed per-layer caches in the model's dtype/device unless given."""
+        shape = self.kv_cache_shape(num_blocks, block_size)
+        dtype = dtype or self.dtype
+        device = device if device is not None else self.device
+        return [
+            KVCache(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(self.num_layers)
+        ]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        """Run the flat batch; returns final-normed hidden states ``[T, hidden]`` (feed to compute_logits)."""
+        if len(kv_caches) != self.num_layers:
+            raise ValueError(f"expected {self.num_layers} KV caches (one per layer), got {len(kv_caches)}")
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [T, 1, D/2] each
+        for layer, cache in zip(self.layers, kv_caches):
+            h = layer(h, cos, sin, cache, meta)  # [T, hidden]
+        return self.norm(h)  # [T, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[N, vocab]``; callers pass only the rows they sample from to save the big GEMM."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, hidden]
+        return F.linear(hidden, weight).float()  # [N, V]

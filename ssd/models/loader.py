@@ -1,0 +1,193 @@
+"""Load an HF checkpoint folder (config.json + safetensors) into a :class:`DecoderLM`.
+
+The module is built on the meta device and materialised uninitialised, then every parameter is filled
+tensor by tensor from safetensors, so peak memory stays about one model size and no time is spent on a
+random init that would be overwritten. All names are checked before any data is read: a checkpoint that
+does not match the architecture fails fast with the list of missing and unexpected tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ssd.models.arch import ModelArchConfig
+from ssd.models.decoder import DecoderLM, MergedLinear
+from ssd.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+_INDEX_FILE = "model.safetensors.index.json"
+_SINGLE_FILE = "model.safetensors"
+_MAX_LISTED = 20  # names listed in an error message before eliding
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one checkpoint tensor goes: a parameter, or a row range of a fused parameter."""
+
+    param: torch.nn.Parameter
+    rows: slice | None = None
+
+    def view(self) -> torch.Tensor:
+        return self.param.data if self.rows is None else self.param.data[self.rows]
+
+
+def read_hf_config(folder: str | Path) -> dict:
+    """The raw ``config.json`` dict; raises FileNotFoundError/ValueError naming the path on problems."""
+    folder = Path(folder)
+    if not folder.exists():
+        raise FileNotFoundError(f"model folder {folder} does not exist")
+    if not folder.is_dir():
+        raise ValueError(f"model path {folder} is not a folder; pass the folder holding config.json")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"model folder {folder} has no config.json (expected {config_path})")
+    try:
+        data = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{config_path} is not valid JSON: {err}") from err
+    if not isinstance(data, dict):
+        raise ValueError(f"{config_path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def load_arch_config(folder: str | Path) -> ModelArchConfig:
+    """Parse ``config.json`` of a model folder; config errors are prefixed with the file's path."""
+    data = read_hf_config(folder)
+    try:
+        return ModelArchConfig.from_hf_config(data)
+    except ValueError as err:
+        raise ValueError(f"{Path(folder) / 'config.json'}: {err}") from err
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
+) -> tuple[DecoderLM, ModelArchConfig]:
+    """Build the model for the checkpoint at ``path`` and load its weights cast to ``dtype`` on ``device``."""
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
+    folder = Path(path)
+    cfg = load_arch_config(folder)
+    files = _safetensors_files(folder)
+
+    with torch.device("meta"):
+        model = get_model_class(cfg.architecture)(cfg, dtype=dtype)
+    model.to_empty(device=device)
+    model.requires_grad_(False)
+
+    targets = _weight_targets(model)
+    plan = _plan_loads(folder, files, targets, cfg)
+    for file, names in plan.items():
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for ckpt_name, target_name in names:
+                tensor = f.get_tensor(ckpt_name)
+                dest = targets[target_name].view()
+                if tuple(tensor.shape) != tuple(dest.shape):
+                    raise ValueError(
+                        f"tensor {ckpt_name} in {file} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(dest.shape)} for this config"
+                    )
+                dest.copy_(tensor)
+    model.eval()
+    logger.info("loaded %s (%d layers) from %s as %s", cfg.architecture, cfg.num_hidden_layers, folder, dtype)
+    return model, cfg
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index_path = folder / _INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:
+            raise ValueError(f"{index_path} is not a valid safetensors index (needs 'weight_map'): {err}") from err
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f"{index_path} lists shard files that do not exist: {', '.join(absent)}")
+        return files
+    if (folder / _SINGLE_FILE).is_file():
+        return [folder / _SINGLE_FILE]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model folder {folder} has no *.safetensors weights (only safetensors is supported)")
+    return files
+
+
+def _weight_targets(model: DecoderLM) -> dict[str, _Target]:
+    """HF checkpoint name -> destination, derived from the module tree so the two can never drift apart."""
+    targets: dict[str, _Target] = {}
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            full = f"{module_name}.{param_name}" if module_name else param_name
+            if isinstance(module, MergedLinear):
+                parent = module_name.rsplit(".", 1)[0]
+                for shard in module.shard_sizes:
+                    hf_name = f"model.{parent}.{_HF_SHARD_NAMES[shard]}.{param_name}"
+                    targets[hf_name] = _Target(param, module.shard_slice(shard))
+            elif full.startswith("lm_head."):
+                targets[full] = _Target(param)
+            else:
+                targets[f"model.{full}"] = _Target(param)
+    return targets
+
+
+_HF_SHARD_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "gate": "gate_proj", "up": "up_proj"}
+
+
+def _is_ignorable(name: str, cfg: ModelArchConfig) -> bool:
+    if name.endswith("rotary_emb.inv_freq"):  # old checkpoints saved the RoPE table; we recompute it
+        return True
+    return cfg.tie_word_embeddings and name == "lm_head.weight"  # tied: the embedding is the head
+
+
+def _plan_loads(
+    folder: Path, files: list[Path], targets: dict[str, _Target], cfg: ModelArchConfig
+) -> dict[Path, list[tuple[str, str]]]:
+    """Per file, (checkpoint name, target name) pairs; validates the full name set before reading data."""
+    plan: dict[Path, list[tuple[str, str]]] = {}
+    found: dict[str, Path] = {}
+    unexpected: list[str] = []
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                names = list(f.keys())
+        except Exception as err:  # safetensors raises its own error types for corrupt headers
+            raise ValueError(f"cannot read safetensors file {file}: {err}") from err
+        for name in names:
+            if name in targets:
+                plan.setdefault(file, []).append((name, name))
+                found[name] = file
+            elif cfg.tie_word_embeddings and name == "lm_head.weight":
+                found[name] = file
+            elif not _is_ignorable(name, cfg):
+                unexpected.append(name)
+
+    embed = "model.embed_tokens.weight"
+    if cfg.tie_word_embeddings and embed not in found and "lm_head.weight" in found:
+        # Some tied checkpoints store the shared matrix only under the head's name.
+        plan.setdefault(found["lm_head.weight"], []).append(("lm_head.weight", embed))
+        found[embed] = found["lm_head.weight"]
+
+    missing = sorted(name for name in targets if name not in found)
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensor(s): {_listing(missing)}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} tensor(s): {_listing(sorted(unexpected))}")
+        raise ValueError(
+            f"checkpoint {folder} does not match {cfg.architecture} "
+            f"({cfg.num_hidden_layers} layers, tie_word_embeddings={cfg.tie_word_embeddings}): " + "; ".join(parts)
+        )
+    return plan
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_LISTED])
+    return shown if len(names) <= _MAX_LISTED else f"{shown}, ... ({len(names) - _MAX_LISTED} more)"

@@ -1,0 +1,31 @@
+"""Shared fixtures.
+
+``checkpoint_factory(arch="llama", **options) -> Path`` builds (once per session and distinct option set) a
+tiny random HF checkpoint with tokenizer; see :func:`checkpoints.make_checkpoint` for the options.
+Treat the returned folders as read-only: other tests share them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from checkpoints import make_checkpoint
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    cache: dict[str, Path] = {}
+
+    def factory(arch: str = "llama", **options: Any) -> Path:
+        key = json.dumps({"arch": arch, **options}, sort_keys=True, default=repr)
+        if key not in cache:
+            cache[key] = make_checkpoint(root / f"ckpt{len(cache)}_{arch}", arch, **options)
+        return cache[key]
+
+    return factory
