@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -49,6 +50,7 @@ class Request:
     logprobs: list[TokenLogprob] | None = None
     speculation: str = "off"
     num_reported_tokens: int = 0
+    last_accepted: int = -1  # k of this request's previous verification round (SSD cache key)
     num_reported_chars: int = 0
 
 
@@ -86,6 +88,7 @@ class LLMEngine:
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(config.seed)
         self.spec = config.speculative_config
+        self._original_affinity: set[int] | None = None
         self.proposer = self._build_proposer() if self.spec is not None else None
         self.executor = StepExecutor(self.runner, self.proposer, self.default_generator)
         self.requests: dict[int, Request] = {}
@@ -210,7 +213,12 @@ class LLMEngine:
     def _speculates(self, request: Request) -> bool:
         # While EOS is banned (min_tokens) the processed distribution depends on the output position; plain
         # decoding serves those few tokens so verification stays exact.
-        return self.proposer is not None and request.seq.num_output_tokens >= request.params.min_tokens
+        if self.proposer is None:
+            return False
+        if not self.proposer.available:
+            request.speculation = f"disabled: {getattr(self.proposer, 'failure', None) or 'draft unavailable'}"
+            return False
+        return request.seq.num_output_tokens >= request.params.min_tokens
 
     def _banned_tokens(self, request: Request) -> list[int]:
         if request.seq.num_output_tokens < request.params.min_tokens:
@@ -227,8 +235,7 @@ class LLMEngine:
             new_tokens = result.new_tokens.get(seq.seq_id, [])
             round_ = result.rounds.get(seq.seq_id)
             if round_ is not None:
-                request.spec_stats.record_round(round_.num_drafts, round_.num_accepted)
-                self.stats.record_round(round_.num_drafts, round_.num_accepted)
+                self._record_round(request, round_, result)
             if not new_tokens:
                 self.kv_manager.cache_full_blocks(seq)
                 continue
@@ -251,6 +258,14 @@ class LLMEngine:
         if self.proposer is not None and result.rounds:
             self.proposer.on_verified(list(result.rounds.values()))
         return outputs
+
+    def _record_round(self, request: Request, round_, result: StepResult) -> None:
+        hit, fallback = result.lookup(request.seq.seq_id)
+        for stats in (request.spec_stats, self.stats):
+            stats.record_round(round_.num_drafts, round_.num_accepted)
+            if hit is not None:
+                stats.record_lookup(max(request.last_accepted, 0), hit, round_.num_accepted, fallback)
+        request.last_accepted = round_.num_accepted
 
     def _check_stop(self, request: Request, token: int) -> FinishReason | None:
         seq, params = request.seq, request.params
@@ -309,7 +324,24 @@ class LLMEngine:
             speculation=request.speculation,
         )
 
+    def pin_cpus(self, cpus: list[int]) -> None:
+        """Keep this (target) process on ``cpus`` so an SSD draft process gets the others; undone at shutdown."""
+        if self._original_affinity is None:
+            self._original_affinity = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, cpus)
+        if self.config.num_threads is None:
+            torch.set_num_threads(len(cpus))
+
     def shutdown(self) -> None:
         if self.proposer is not None:
             self.proposer.shutdown()
             self.proposer = None
+        if self._original_affinity is not None:
+            os.sched_setaffinity(0, self._original_affinity)
+            self._original_affinity = None
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # interpreter teardown: nothing useful left to do
+            pass

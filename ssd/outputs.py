@@ -40,7 +40,8 @@ class SpecStats:
         _grow(self.acceptance_histogram, num_draft + 1)
         self.acceptance_histogram[num_accepted] += 1
 
-    def record_lookup(self, k: int, hit: bool, num_accepted: int | None = None) -> None:
+    def record_lookup(self, k: int, hit: bool, num_accepted: int, fallback: str | None) -> None:
+        """One SSD cache lookup keyed by the previous round's k; ``num_accepted`` is this round's result."""
         self.cache_lookups += 1
         _grow(self.cache_lookups_per_k, k + 1)
         _grow(self.cache_hits_per_k, k + 1)
@@ -48,6 +49,13 @@ class SpecStats:
         if hit:
             self.cache_hits += 1
             self.cache_hits_per_k[k] += 1
+            self.rounds_on_hit += 1
+            self.accepted_on_hit += num_accepted
+        else:
+            self.rounds_on_miss += 1
+            self.accepted_on_miss += num_accepted
+            if fallback:
+                self.fallbacks[fallback] = self.fallbacks.get(fallback, 0) + 1
 
     def merge(self, other: "SpecStats") -> None:
         for name, value in vars(other).items():

@@ -44,6 +44,15 @@ class StepResult:
     proposal: Proposal | None = None
     propose_time_s: float = 0.0
     forward_time_s: float = 0.0
+    proposal_rows: dict[int, int] = field(default_factory=dict)  # seq_id -> row of ``proposal``
+
+    def lookup(self, seq_id: int) -> tuple[bool | None, str | None]:
+        """(cache hit, fallback kind) of an SSD row; (None, None) for proposers without a cache."""
+        row = self.proposal_rows.get(seq_id)
+        if row is None or self.proposal is None or self.proposal.cache_hit is None:
+            return None, None
+        fallback = self.proposal.fallback[row] if self.proposal.fallback is not None else None
+        return self.proposal.cache_hit[row], fallback
 
 
 class StepExecutor:
@@ -59,6 +68,9 @@ class StepExecutor:
             s for s in scheduled if s.num_lookahead_tokens > 0 and contexts[s.seq.seq_id].speculate and _completes(s)
         ]
         proposal = None
+        if self.proposer is not None:
+            # Lets an asynchronous draft prefill new sequences while the target computes them.
+            self.proposer.prepare([s.seq for s in scheduled if _completes(s) and contexts[s.seq.seq_id].speculate])
         if spec_rows and self.proposer is not None:
             start = time.perf_counter()
             requests = [
@@ -71,6 +83,7 @@ class StepExecutor:
         if proposal is not None:
             for row, s in enumerate(spec_rows):
                 drafts[s.seq.seq_id] = row
+        result.proposal_rows = drafts
 
         items: list[ForwardItem] = []
         for s in scheduled:

@@ -37,6 +37,10 @@ class DraftModelProposer:
         self.num_usable_tokens = num_usable_tokens  # ids >= this never come from the tokenizer (padding rows)
         self.default_generator = default_generator
         self.mirrors: dict[int, Sequence] = {}
+        self.available = True
+
+    def prepare(self, seqs: list[Sequence]) -> None:
+        """Nothing to overlap in-process: the draft catches up when it first proposes."""
 
     def _mirror(self, seq: Sequence) -> Sequence:
         mirror = self.mirrors.get(seq.seq_id)

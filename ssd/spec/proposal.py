@@ -41,6 +41,12 @@ class VerifiedRound:
 
 
 class Proposer(Protocol):
+    available: bool  # False once the proposer can no longer draft (e.g. its process died)
+
+    def prepare(self, seqs: list[Sequence]) -> None:
+        """Sequences whose next token the target computes this step; an asynchronous draft may prefill them."""
+        ...
+
     def propose(self, requests: list[ProposalRequest]) -> Proposal: ...
 
     def on_verified(self, rounds: list[VerifiedRound]) -> None: ...

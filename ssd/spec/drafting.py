@@ -1,0 +1,84 @@
+"""Draft-side building blocks shared by ordinary SD and SSD: the draft's processed distribution and
+K sequential draft steps over mirrored sequences."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ssd.core.sequence import Sequence
+from ssd.executor.model_runner import ForwardItem, ModelRunner
+from ssd.sample.sampler import SamplingTensors, processed_probs, sample
+from ssd.sampling_params import SamplingParams
+
+
+class DraftDistribution:
+    """Turns draft logits into the distribution drafts are drawn from, over the *target's* vocabulary.
+
+    Ids at or past ``num_usable_tokens`` (padding rows of either embedding) get zero mass, and rows are
+    padded to the target vocabulary so verification can compare q with p directly.
+    """
+
+    def __init__(self, target_vocab_size: int, num_usable_tokens: int) -> None:
+        self.target_vocab_size = target_vocab_size
+        self.num_usable_tokens = num_usable_tokens
+
+    def masked_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits[:, : self.num_usable_tokens]  # [N, U]
+        missing = self.target_vocab_size - logits.shape[-1]
+        if missing > 0:
+            pad = logits.new_full((logits.shape[0], missing), float("-inf"))
+            logits = torch.cat([logits, pad], dim=-1)  # [N, V]
+        return logits
+
+    def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        masked = self.masked_logits(logits)  # [N, V]
+        return processed_probs(masked, SamplingTensors.from_params(params, masked.device))  # [N, V]
+
+
+ProbsHook = Callable[[int, list[int], torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def draft_sequentially(
+    runner: ModelRunner,
+    mirrors: list[Sequence],
+    num_drafts: list[int],
+    generators: list[torch.Generator | None],
+    distribution: DraftDistribution,
+    default_generator: torch.Generator | None,
+    adjust: ProbsHook | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Catch each mirror up to its pending token, then draft ``num_drafts[i]`` tokens one step at a time.
+
+    Mirrors must have slots for all their uncomputed tokens plus ``num_drafts - 1`` lookahead tokens. On
+    return the draft cache holds K/V for every mirror token and for d_1..d_{K-1}; ``num_computed_tokens`` is
+    set to the mirror's length. ``adjust(step, rows, logits, probs)`` may reshape the distribution a draft is
+    drawn from (Saguaro scaling); the returned probabilities are exactly the ones sampled from.
+    Returns ``tokens [B, K]`` and ``probs [B, K, V]``.
+    """
+    device = runner.device
+    max_k = max(num_drafts)
+    tokens_out = torch.zeros(len(mirrors), max_k, dtype=torch.long, device=device)  # [B, K]
+    probs_out = torch.zeros(len(mirrors), max_k, distribution.target_vocab_size, device=device)  # [B, K, V]
+    pending = [m.token_ids[m.num_computed_tokens :] for m in mirrors]
+    positions = [m.num_computed_tokens for m in mirrors]
+    for step in range(max_k):
+        active = [i for i, k in enumerate(num_drafts) if k > step]
+        items = [ForwardItem(pending[i], positions[i], mirrors[i].block_table, 1) for i in active]
+        logits = runner.forward(items)  # [A, Vd]
+        params = [mirrors[i].sampling_params for i in active]
+        probs = distribution.probs(logits, params)  # [A, V]
+        if adjust is not None:
+            probs = adjust(step, active, logits, probs)
+        st = SamplingTensors.from_params(params, device)
+        tokens = sample(probs, [generators[i] for i in active], st.greedy, default_generator)  # [A]
+        rows = torch.tensor(active, device=device)
+        tokens_out[rows, step] = tokens
+        probs_out[rows, step] = probs
+        for i, token in zip(active, tokens.tolist()):
+            positions[i] += len(pending[i])
+            pending[i] = [token]
+    for mirror in mirrors:
+        mirror.num_computed_tokens = mirror.num_tokens
+    return tokens_out, probs_out

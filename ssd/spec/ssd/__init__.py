@@ -1,0 +1,1 @@
+"""SSD (speculative speculative decoding): fan-out planning, wire protocol, draft worker and client."""

@@ -1,0 +1,252 @@
+"""Target-side SSD proposer: talks to the draft worker process and survives its failure.
+
+Each round it sends the outcome of the previous verification (k and the newly committed tokens) and gets
+the next speculation back, from the worker's cache on a hit or from the fallback on a miss. If the worker
+cannot start, dies, or does not answer within ``draft_timeout_s``, the client logs it once, stops the
+process, and from then on proposes nothing: every accepted request finishes by plain decoding, with the
+same tokens (verification with zero drafts is exactly target sampling).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ssd.core.sequence import Sequence
+from ssd.outputs import SpecStats
+from ssd.spec.proposal import Proposal, ProposalRequest, VerifiedRound
+from ssd.spec.ssd import protocol as wire
+from ssd.spec.ssd.fanout import choose_fallback, expected_tokens_per_round
+from ssd.spec.ssd.worker import WorkerConfig, run_draft_worker
+
+logger = logging.getLogger(__name__)
+
+
+class DraftWorkerError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Timing:
+    """Exponentially weighted means used by the ``auto`` fallback policy."""
+
+    verify_s: float = 0.0
+    jit_s: float = 0.0
+    alpha: float = 0.2
+
+    def update(self, name: str, value: float) -> None:
+        old = getattr(self, name)
+        setattr(self, name, value if old == 0.0 else (1 - self.alpha) * old + self.alpha * value)
+
+
+class SSDProposer:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        fallback: str,
+        timeout_s: float,
+        start_timeout_s: float = 300.0,
+    ) -> None:
+        self.config = config
+        self.fallback = fallback
+        self.timeout_s = timeout_s
+        self.vocab_size = config.target_vocab_size
+        self.K = config.num_speculative_tokens
+        self.device = torch.device(config.device if config.device.startswith("cpu") else "cpu")
+        self.stats = SpecStats()
+        self.available = True
+        self.failure: str | None = None
+        self._told: dict[int, int] = {}  # seq_id -> tokens the worker has been sent
+        self._last_k: dict[int, int] = {}
+        self._round_ids = itertools.count()
+        self._timing = _Timing()
+        self._verify_started: float | None = None
+        self._hits = 0
+        self._lookups = 0
+        self._drafted = 0
+        self._accepted = 0
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(target=run_draft_worker, args=(child, config), name="ssd-draft", daemon=True)
+        self._process.start()
+        child.close()
+        try:
+            reply = self._receive(start_timeout_s)
+            if isinstance(reply, wire.ErrorMsg):
+                raise DraftWorkerError(reply.message)
+        except DraftWorkerError as exc:
+            self._fail(str(exc))
+
+    # ------------------------------------------------------------------ transport
+    def _receive(self, timeout: float):
+        try:
+            if not self._conn.poll(timeout):
+                raise DraftWorkerError(f"draft worker did not answer within {timeout:.1f} s")
+            return wire.decode_message(self._conn.recv_bytes())
+        except (EOFError, OSError, ValueError) as exc:
+            raise DraftWorkerError(f"lost the draft worker: {exc!r}") from exc
+
+    def _send(self, msg) -> None:
+        try:
+            self._conn.send_bytes(msg.pack())
+        except (OSError, ValueError) as exc:
+            raise DraftWorkerError(f"lost the draft worker: {exc!r}") from exc
+
+    def _fail(self, reason: str) -> None:
+        if self.available:
+            logger.error("SSD draft worker unavailable (%s); continuing without speculation", reason)
+        self.available = False
+        self.failure = reason
+        self._stop_process()
+
+    # ------------------------------------------------------------------ proposer interface
+    def prepare(self, seqs: list[Sequence]) -> None:
+        """Start the draft's prefill for sequences it has not seen, while the target computes them."""
+        fresh = [s for s in seqs if s.seq_id not in self._told]
+        if not fresh or not self.available:
+            return
+        try:
+            self._send(_prefill_message(fresh))
+        except DraftWorkerError as exc:
+            self._fail(str(exc))
+            return
+        for seq in fresh:
+            self._told[seq.seq_id] = seq.num_tokens
+            self._last_k[seq.seq_id] = -1
+
+    def propose(self, requests: list[ProposalRequest]) -> Proposal:
+        if self._verify_started is not None:
+            self._timing.update("verify_s", time.perf_counter() - self._verify_started)
+        if not self.available:
+            return self._empty(requests)
+        self.prepare([r.seq for r in requests])
+        rows = []
+        for r in requests:
+            seq = r.seq
+            told = self._told[seq.seq_id]
+            rows.append((seq.seq_id, seq.token_ids[told:], self._last_k[seq.seq_id], r.num_drafts))
+            self._told[seq.seq_id] = seq.num_tokens
+        fallback = self._choose_fallback(len(requests))
+        round_id = next(self._round_ids)
+        start = time.perf_counter()
+        try:
+            msg = wire.SpeculateMsg.from_lists(round_id, *zip(*rows))
+            msg.fallback = int(wire.FallbackKind.RANDOM if fallback == "random" else wire.FallbackKind.JIT)
+            self._send(msg)
+            reply = self._receive(self.timeout_s)
+        except DraftWorkerError as exc:
+            self._fail(str(exc))
+            return self._empty(requests)
+        if isinstance(reply, wire.ErrorMsg) or getattr(reply, "round_id", round_id) != round_id:
+            self._fail(reply.message if isinstance(reply, wire.ErrorMsg) else "draft worker answered out of order")
+            return self._empty(requests)
+        waited = time.perf_counter() - start
+        proposal = self._to_proposal(reply, requests)
+        self._account(proposal, reply, waited)
+        self._verify_started = time.perf_counter()
+        return proposal
+
+    def _to_proposal(self, reply, requests: list[ProposalRequest]) -> Proposal:
+        tokens = torch.from_numpy(reply.draft_tokens)  # [B, K]
+        probs = torch.from_numpy(reply.dense_probs(self.vocab_size))  # [B, K, V]
+        hits = reply.hit.tolist()
+        fallbacks = [None if hit else wire.FallbackKind(kind).name.lower() for hit, kind in zip(hits, reply.fallback)]
+        return Proposal(tokens, probs, [r.num_drafts for r in requests], hits, fallbacks)
+
+    def _account(self, proposal: Proposal, reply, waited: float) -> None:
+        s = self.stats
+        s.draft_build_time_s += reply.cache_build_s
+        s.draft_critical_time_s += waited
+        if not all(proposal.cache_hit):
+            self._timing.update("jit_s", reply.serve_s)
+        for hit in proposal.cache_hit:
+            self._lookups += 1
+            self._hits += hit
+
+    def _choose_fallback(self, batch_size: int) -> str:
+        if self.fallback != "auto":
+            return self.fallback
+        if self._lookups < 8 or self._timing.verify_s == 0.0:
+            return "jit"  # gather timings first
+        a = self._accepted / self._drafted if self._drafted else 0.5
+        return choose_fallback(
+            batch_size,
+            self._hits / self._lookups,
+            expected_tokens_per_round(a, self.K),
+            1.0,
+            self._timing.verify_s,
+            self._timing.jit_s,
+        )
+
+    def _empty(self, requests: list[ProposalRequest]) -> Proposal:
+        b = len(requests)
+        return Proposal(
+            torch.zeros(b, 1, dtype=torch.long),
+            torch.zeros(b, 1, self.vocab_size),
+            [0] * b,
+            [False] * b,
+            ["none"] * b,
+        )
+
+    def on_verified(self, rounds: list[VerifiedRound]) -> None:
+        for r in rounds:
+            self._drafted += r.num_drafts
+            self._accepted += r.num_accepted
+            if r.seq.seq_id in self._last_k:
+                self._last_k[r.seq.seq_id] = r.num_accepted
+
+    def release(self, seq: Sequence) -> None:
+        if self._told.pop(seq.seq_id, None) is None:
+            return
+        self._last_k.pop(seq.seq_id, None)
+        if self.available:
+            try:
+                self._send(wire.ReleaseMsg(seq_ids=np.array([seq.seq_id], dtype=np.int64)))
+            except DraftWorkerError as exc:
+                self._fail(str(exc))
+
+    def shutdown(self) -> None:
+        if self._process is None:
+            return
+        if self.available and self._process.is_alive():
+            try:
+                self._send(wire.ShutdownMsg())
+            except DraftWorkerError:
+                pass
+        self._stop_process()
+
+    def _stop_process(self) -> None:
+        process, self._process = self._process, None
+        if process is None:
+            return
+        process.join(timeout=5)
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join()
+        self._conn.close()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+
+def _prefill_message(seqs: list[Sequence]) -> wire.PrefillMsg:
+    params = [s.sampling_params for s in seqs]
+    return wire.PrefillMsg.from_lists(
+        [s.seq_id for s in seqs],
+        [s.token_ids for s in seqs],
+        [p.temperature for p in params],
+        [max(p.top_k, 0) for p in params],
+        [p.top_p for p in params],
+        [p.is_greedy for p in params],
+        [p.seed for p in params],
+    )

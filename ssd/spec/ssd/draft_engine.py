@@ -1,0 +1,347 @@
+"""The SSD draft's computation: serve speculations from the cache (or a fallback), then build the next cache.
+
+Runs in the draft worker process (see ``worker.py``), and can run in-process for tests. Terms follow
+DESIGN.md section 3. For each sequence the draft mirrors the committed tokens t_1..t_n (t_n = pending).
+After returning the speculation [t_n, e_1..e_K] for a round, :meth:`DraftEngine.build_cache`:
+
+1. *glue*: runs t_n, e_1..e_K through the draft at their own positions (natural slots of the block table),
+   giving the draft's distribution after each of them;
+2. *fork*: for every acceptance length k, candidates C_k = the F_k likeliest draft tokens after e_1..e_k,
+   excluding e_{k+1} (a recovery token never equals the rejected draft token);
+3. *tree decode*: for every branch (k, c) decodes K tokens continuing t_1..t_n, e_1..e_k, c. All branches of
+   all sequences advance together, one batched forward per depth, with a tree mask. Branch K/V lives in
+   scratch slots after the glue region of the block table (depth-major: depth j, branch b at
+   ``n + K + j * M + b``), and RoPE uses the logical positions;
+4. stores (k, c) -> (K tokens, the distributions they were drawn from).
+
+When the outcome (k, t*) of verifying that speculation arrives, (k, t*) is looked up; a miss is served by the
+fallback: ``jit`` drafts K tokens sequentially now, ``random`` returns a filler with an explicit one-hot q
+(exact, almost always rejected, nearly free).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ssd.core.kv_cache_manager import KVCacheManager
+from ssd.core.sequence import Sequence
+from ssd.executor.attention_layout import block_slots
+from ssd.executor.model_runner import ForwardItem, ModelRunner
+from ssd.sample.saguaro import saguaro_scale
+from ssd.sample.sampler import SamplingTensors, sample
+from ssd.sampling_params import SamplingParams
+from ssd.spec.drafting import DraftDistribution, draft_sequentially
+
+logger = logging.getLogger(__name__)
+
+JIT, RANDOM = "jit", "random"
+
+
+@dataclass
+class CachedSpeculation:
+    tokens: list[int]  # e_1..e_K
+    probs: torch.Tensor | None  # [K, V] the exact q each e_j was drawn from (None for greedy sequences)
+
+
+@dataclass
+class DraftSeqState:
+    mirror: Sequence  # committed tokens; num_computed_tokens = tokens whose draft K/V is valid
+    generator: torch.Generator
+    speculation: list[int] = field(default_factory=list)  # last returned [t_n, e_1..e_K]
+    num_valid_drafts: int = 0  # leading e_j whose K/V sits in natural slots (glue: all K, jit: K-1)
+    fan_out: list[int] = field(default_factory=list)  # F_0..F_K of the next cache build (Saguaro scales these)
+    cache: dict[tuple[int, int], CachedSpeculation] = field(default_factory=dict)
+
+    @property
+    def greedy(self) -> bool:
+        return self.mirror.sampling_params.is_greedy
+
+
+@dataclass
+class SpeculateRow:
+    seq_id: int
+    new_tokens: list[int]  # committed tokens the draft has not seen (ends with the pending token)
+    num_accepted: int  # k of the round just verified; -1 when there was none (first round, or after a reset)
+    num_drafts: int
+
+
+@dataclass
+class SpeculationResult:
+    tokens: list[int]
+    probs: torch.Tensor | None  # [K, V]; None for greedy sequences (q is one-hot at the token)
+    hit: bool
+    fallback: str | None  # None on a hit
+
+
+@dataclass
+class BuildStats:
+    seconds: float = 0.0
+    num_branches: int = 0
+
+
+class DraftEngine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        kv_manager: KVCacheManager,
+        distribution: DraftDistribution,
+        num_speculative_tokens: int,
+        saguaro_c: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        self.runner = runner
+        self.kv = kv_manager
+        self.dist = distribution
+        self.K = num_speculative_tokens
+        self.saguaro_c = saguaro_c
+        self.seed = seed
+        self.states: dict[int, DraftSeqState] = {}
+        self.last_build = BuildStats()
+        self._jit_states: list[DraftSeqState] = []
+
+    # ------------------------------------------------------------------ sequence lifecycle
+    @torch.inference_mode()
+    def prefill(self, seqs: list[tuple[int, list[int], SamplingParams]]) -> None:
+        """Start mirroring sequences and compute their K/V (all but the last token, which is pending)."""
+        items, fresh = [], []
+        for seq_id, token_ids, params in seqs:
+            self.release(seq_id)
+            mirror = Sequence(seq_id, list(token_ids), params)
+            self.kv.allocate_prefix(mirror)
+            generator = torch.Generator(device=self.runner.device)
+            generator.manual_seed(params.seed if params.seed is not None else (self.seed * 1_000_003 + seq_id))
+            state = DraftSeqState(mirror, generator)
+            self.states[seq_id] = state
+            todo = mirror.num_tokens - 1 - mirror.num_computed_tokens
+            if todo > 0 and self.kv.allocate_slots(mirror, todo):
+                items.append(ForwardItem(mirror.token_ids[mirror.num_computed_tokens : -1],
+                                         mirror.num_computed_tokens, mirror.block_table, 0))
+                fresh.append((mirror, todo))
+        if items:
+            self.runner.forward(items)
+        for mirror, todo in fresh:
+            mirror.num_computed_tokens += todo
+            self.kv.cache_full_blocks(mirror)
+
+    def release(self, seq_id: int) -> None:
+        state = self.states.pop(seq_id, None)
+        if state is not None:
+            self.kv.free(state.mirror)
+
+    # ------------------------------------------------------------------ serving
+    @torch.inference_mode()
+    def speculate(self, rows: list[SpeculateRow], fallback: str) -> list[SpeculationResult]:
+        results: list[SpeculationResult | None] = [None] * len(rows)
+        jit_rows: list[int] = []
+        for i, row in enumerate(rows):
+            state = self.states[row.seq_id]
+            hit = self._commit(state, row)
+            if hit is not None:
+                probs = None if hit.probs is None else hit.probs[: row.num_drafts]
+                results[i] = SpeculationResult(hit.tokens[: row.num_drafts], probs, True, None)
+            elif fallback == JIT:
+                jit_rows.append(i)
+            else:
+                results[i] = self._filler(state, row.num_drafts)
+        if jit_rows:
+            for i, result in zip(jit_rows, self._jit([rows[i] for i in jit_rows])):
+                results[i] = result
+        for row, result in zip(rows, results):
+            state = self.states[row.seq_id]
+            state.speculation = [state.mirror.last_token_id] + result.tokens
+            state.cache = {}
+            if result.fallback == RANDOM:
+                state.num_valid_drafts = 0
+        return results  # type: ignore[return-value]
+
+    def _commit(self, state: DraftSeqState, row: SpeculateRow) -> CachedSpeculation | None:
+        """Append the newly committed tokens; return the cached speculation for the outcome, if any."""
+        mirror = state.mirror
+        k = row.num_accepted
+        spec = state.speculation
+        consistent = k >= 0 and spec and row.new_tokens[:-1] == spec[1 : k + 1] and len(row.new_tokens) == k + 1
+        pending_valid = mirror.num_computed_tokens == mirror.num_tokens
+        mirror.append_tokens(row.new_tokens)
+        if not consistent:
+            mirror.num_computed_tokens = min(mirror.num_computed_tokens, mirror.num_tokens - 1)
+            return None
+        if pending_valid:  # t_n and the accepted e_1..e_k already have K/V at their own positions
+            mirror.num_computed_tokens += min(k, state.num_valid_drafts)
+        self.kv.cache_full_blocks(mirror)
+        return state.cache.get((k, row.new_tokens[-1]))
+
+    def _jit(self, rows: list[SpeculateRow]) -> list[SpeculationResult]:
+        states = [self.states[r.seq_id] for r in rows]
+        mirrors = [s.mirror for s in states]
+        self._jit_states = states
+        for mirror, row in zip(mirrors, rows):
+            self._allocate(mirror, mirror.num_uncomputed_tokens + row.num_drafts - 1)
+        tokens, probs = draft_sequentially(
+            self.runner,
+            mirrors,
+            [r.num_drafts for r in rows],
+            [s.generator for s in states],
+            self.dist,
+            None,
+            adjust=self._saguaro_jit,
+        )
+        out = []
+        for i, (state, row) in enumerate(zip(states, rows)):
+            k = row.num_drafts
+            state.num_valid_drafts = k - 1
+            out.append(SpeculationResult(tokens[i, :k].tolist(), None if state.greedy else probs[i, :k], False, JIT))
+        return out
+
+    def _filler(self, state: DraftSeqState, num_drafts: int) -> SpeculationResult:
+        """Repeat the pending token with a one-hot q: costs nothing, exact, usually rejected at once."""
+        token = state.mirror.last_token_id
+        probs = None
+        if not state.greedy:
+            probs = torch.zeros(num_drafts, self.dist.target_vocab_size, device=self.runner.device)  # [K, V]
+            probs[:, token] = 1.0
+        return SpeculationResult([token] * num_drafts, probs, False, RANDOM)
+
+    # ------------------------------------------------------------------ cache building
+    @torch.inference_mode()
+    def build_cache(self, fan_outs: dict[int, list[int]]) -> BuildStats:
+        """Glue, fork and tree-decode the speculations just returned, with F_0..F_K per sequence."""
+        start = time.perf_counter()
+        states = []
+        for seq_id, fan_out in fan_outs.items():
+            state = self.states.get(seq_id)
+            if state is not None and len(state.speculation) > 1:
+                state.fan_out = list(fan_out)
+                states.append(state)
+        if not states:
+            self.last_build = BuildStats()
+            return self.last_build
+        glue_logits = self._glue(states)
+        branches = [self._fork(state, logits) for state, logits in zip(states, glue_logits)]
+        num_branches = sum(len(b) for b in branches)
+        self._tree_decode(states, branches)
+        self.last_build = BuildStats(time.perf_counter() - start, num_branches)
+        return self.last_build
+
+    def _glue(self, states: list[DraftSeqState]) -> list[torch.Tensor]:
+        items = []
+        for state in states:
+            mirror = state.mirror
+            drafts = state.speculation[1:]
+            k = len(drafts)
+            m = sum(state.fan_out[: k + 1])
+            self._allocate(mirror, mirror.num_uncomputed_tokens + k + k * m)
+            tokens = mirror.token_ids[mirror.num_computed_tokens :] + drafts
+            items.append(ForwardItem(tokens, mirror.num_computed_tokens, mirror.block_table, k + 1))
+        logits = self.runner.forward(items)  # [sum(K+1), Vd]
+        out, offset = [], 0
+        for state in states:
+            n = len(state.speculation)
+            out.append(logits[offset : offset + n])
+            offset += n
+            state.mirror.num_computed_tokens = state.mirror.num_tokens
+            state.num_valid_drafts = n - 1
+        return out
+
+    def _fork(self, state: DraftSeqState, logits: torch.Tensor) -> list[tuple[int, int]]:
+        """Branches (k, c) for one sequence, ordered by k then by draft likelihood."""
+        fan_out = state.fan_out
+        drafts = state.speculation[1:]
+        k_max = len(drafts)
+        masked = self.dist.masked_logits(logits)  # [K+1, V]
+        widest = min(max(fan_out[: k_max + 1]) + 1, masked.shape[-1])
+        top = torch.topk(masked, widest, dim=-1).indices.tolist()  # [K+1, F+1]
+        branches = []
+        for k in range(k_max + 1):
+            f = fan_out[k] if k < len(fan_out) else 0
+            excluded = drafts[k] if k < k_max else None
+            candidates = [t for t in top[k] if t != excluded][:f]
+            branches.extend((k, c) for c in candidates)
+        return branches
+
+    def _tree_decode(self, states: list[DraftSeqState], branches: list[list[tuple[int, int]]]) -> None:
+        K = [len(s.speculation) - 1 for s in states]
+        depth = max(K)
+        current = [[c for _, c in b] for b in branches]  # tokens to run at this depth, per branch
+        sampled: list[list[list[int]]] = [[[] for _ in b] for b in branches]
+        probs_kept: list[list[list[torch.Tensor]]] = [[[] for _ in b] for b in branches]
+        for j in range(depth):
+            items, owners = [], []
+            for i, (state, branch) in enumerate(zip(states, branches)):
+                if j >= K[i] or not branch:
+                    continue
+                items.append(self._tree_item(state, branch, current[i], j, K[i]))
+                owners.append(i)
+            if not items:
+                break
+            logits = self.runner.forward(items)  # [sum M, Vd]
+            params, generators, scaled = [], [], []
+            for i in owners:
+                m = len(branches[i])
+                params.extend([states[i].mirror.sampling_params] * m)
+                generators.extend([states[i].generator] * m)
+                scaled.extend([_at(states[i].fan_out, j + 1)] * m)
+            probs = self.dist.probs(logits, params)  # [sum M, V]
+            probs = self._saguaro(probs, logits, params, scaled)
+            st = SamplingTensors.from_params(params, logits.device)
+            tokens = sample(probs, generators, st.greedy, None).tolist()
+            offset = 0
+            for i in owners:
+                m = len(branches[i])
+                for b in range(m):
+                    sampled[i][b].append(tokens[offset + b])
+                    if not states[i].greedy:
+                        probs_kept[i][b].append(probs[offset + b])
+                current[i] = tokens[offset : offset + m]
+                offset += m
+        for i, state in enumerate(states):
+            for b, (k, c) in enumerate(branches[i]):
+                kept = torch.stack(probs_kept[i][b]) if probs_kept[i][b] else None
+                state.cache[(k, c)] = CachedSpeculation(sampled[i][b], kept)
+
+    def _tree_item(self, state: DraftSeqState, branch: list[tuple[int, int]], tokens: list[int], j: int, k_max: int):
+        mirror = state.mirror
+        n = mirror.num_tokens  # committed tokens; t_n sits at position n - 1
+        m = len(branch)
+        glue_end = n + k_max  # natural slots 0 .. n+K-1 hold t_1..t_n, e_1..e_K
+        ks = np.array([k for k, _ in branch])
+        positions = n + ks + j
+        scratch = np.arange((j + 1) * m)
+        write = block_slots(mirror.block_table, self.runner.block_size, glue_end + j * m, glue_end + (j + 1) * m)
+        read = np.concatenate([
+            block_slots(mirror.block_table, self.runner.block_size, 0, glue_end),
+            block_slots(mirror.block_table, self.runner.block_size, glue_end, glue_end + (j + 1) * m),
+        ])
+        mask = np.zeros((m, glue_end + (j + 1) * m), dtype=bool)
+        mask[:, :glue_end] = np.arange(glue_end)[None, :] <= (n - 1 + ks)[:, None]
+        mask[:, glue_end:] = (scratch[None, :] % m) == np.arange(m)[:, None]
+        return ForwardItem(list(tokens), 0, mirror.block_table, m, positions, write, read, mask)
+
+    def _saguaro(self, probs, logits, params: list[SamplingParams], num_scaled: list[int]) -> torch.Tensor:
+        """Scale q on the candidates a later fork caches: a token drawn at depth j of a speculation is the
+        draft at acceptance length j, whose rejection the fork covers with F_j candidates."""
+        width = max(num_scaled, default=0)
+        if self.saguaro_c >= 1.0 or width <= 0 or all(p.is_greedy for p in params):
+            return probs
+        masked = self.dist.masked_logits(logits)  # [N, V]
+        top = torch.topk(masked, min(width, masked.shape[-1]), dim=-1).indices  # [N, F]
+        keep = torch.arange(top.shape[1], device=top.device)[None, :] < torch.tensor(num_scaled, device=top.device)[:, None]
+        top = torch.where(keep, top, top[:, :1])  # rows scaling fewer candidates repeat their first one
+        return saguaro_scale(probs, top, self.saguaro_c)
+
+    def _saguaro_jit(self, step: int, rows: list[int], logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        params = [self._jit_states[i].mirror.sampling_params for i in rows]
+        return self._saguaro(probs, logits, params, [_at(self._jit_states[i].fan_out, step) for i in rows])
+
+    def _allocate(self, mirror: Sequence, num_tokens: int) -> None:
+        if not self.kv.allocate_slots(mirror, num_tokens):
+            raise RuntimeError("draft KV cache exhausted; it is sized to never run out before the target's")
+
+
+
+def _at(values: list[int], index: int) -> int:
+    return values[index] if index < len(values) else 0

@@ -1,0 +1,68 @@
+"""Assemble the SSD proposer: size the draft's KV cache, split CPU cores, start the worker."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from ssd.models.loader import load_arch_config
+from ssd.spec.factory import check_vocabularies, draft_num_blocks
+from ssd.spec.ssd.client import SSDProposer
+from ssd.spec.ssd.fanout import parse_fan_out
+from ssd.spec.ssd.worker import WorkerConfig
+from ssd.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from ssd.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+def split_cpus(draft_threads: int | None) -> tuple[list[int] | None, list[int] | None]:
+    """(target cores, draft cores): the draft takes the last ``draft_threads`` (default 1) of this process's
+    cores when at least two are available; otherwise both share them."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None, None
+    cores = sorted(os.sched_getaffinity(0))
+    n_draft = draft_threads or 1
+    if len(cores) <= n_draft:
+        return None, None
+    return cores[:-n_draft], cores[-n_draft:]
+
+
+def build_ssd_proposer(engine: "LLMEngine") -> SSDProposer:
+    spec, cfg = engine.spec, engine.config
+    K = spec.num_speculative_tokens
+    # Validate everything the worker would reject before paying for a process start.
+    budget = max(sum(parse_fan_out(f, K).current()) for f in (spec.fan_out, spec.fan_out_miss or spec.fan_out))
+    draft_arch = load_arch_config(spec.model)
+    usable = check_vocabularies(engine.tokenizer, Tokenizer(spec.model), engine.runner.vocab_size,
+                                draft_arch.vocab_size)
+    device = spec.draft_device or cfg.device
+    target_cpus, draft_cpus = (None, None)
+    if device == "cpu":
+        target_cpus, draft_cpus = split_cpus(spec.draft_threads)
+        if target_cpus is not None:
+            engine.pin_cpus(target_cpus)
+    config = WorkerConfig(
+        model=spec.model,
+        dtype=spec.draft_dtype or cfg.dtype,
+        device=device,
+        block_size=cfg.block_size,
+        max_model_len=engine.max_model_len,
+        num_blocks=draft_num_blocks(engine, K + 1 + K * budget),
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        target_vocab_size=engine.runner.vocab_size,
+        num_usable_tokens=usable,
+        num_speculative_tokens=K,
+        fan_out=spec.fan_out,
+        fan_out_miss=spec.fan_out_miss,
+        saguaro_c=spec.saguaro_c,
+        seed=cfg.seed,
+        num_threads=spec.draft_threads,
+        cpu_affinity=draft_cpus,
+        log_level=logging.getLogger().level,
+    )
+    logger.info("starting SSD draft worker (device %s, cpus %s, K=%d)", device, draft_cpus, K)
+    return SSDProposer(config, spec.fallback, spec.draft_timeout_s)

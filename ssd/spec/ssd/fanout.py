@@ -1,0 +1,430 @@
+"""Fan-out planning for SSD: how many candidate outcomes to prepare per acceptance length (DESIGN.md §3).
+
+While the target verifies a round, the draft prepares the next speculation for F_k likely recovery/bonus
+tokens at each acceptance length k in 0..K. The budget M = sum F_k is the number of tree branches per
+sequence, so it is paid for in draft compute every round; how it is split decides the cache hit rate.
+
+Model (from the SSD paper): acceptance length is geometric with truncation, P(k) = (1 - a) a^k for k < K and
+P(K) = a^K; with F candidates at one k the miss rate is 1 - hit(F) = F^(-r). Minimising the expected miss
+rate sum_k P(k) F_k^(-r) under sum_k F_k = M gives F_k proportional to P(k)^(1/(1+r)). Both a and r drift
+with the prompt and the sampling options, so "auto" re-estimates them online from the engine's own
+counters (`AcceptanceEstimator`).
+
+Everything here is pure Python (no torch): it runs on the critical path of every round and is unit tested
+with exact values.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+AUTO = "auto"
+
+# Quotas within this distance below an integer are taken as that integer (floating-point noise in
+# budget * w_k / sum(w) must not move a candidate between rows).
+_SNAP_EPS = 1e-9
+# Remainders are compared after rounding to this many decimals, so mathematically equal remainders that
+# differ by rounding error tie, and the documented tie-break (smaller k first) decides.
+_TIE_DECIMALS = 9
+
+
+def _is_int(value: object) -> bool:
+    """True for real integers; bools are rejected because `True` as a fan-out is always a bug."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_lookahead(K: object) -> int:
+    if not _is_int(K) or K < 1:  # type: ignore[operator]
+        raise ValueError(f"lookahead K must be an integer >= 1, got {K!r}")
+    return int(K)  # type: ignore[call-overload]
+
+
+def _check_budget(budget: object) -> int:
+    if not _is_int(budget) or budget < 1:  # type: ignore[operator]
+        raise ValueError(f"fan-out budget must be an integer >= 1 (branches per sequence), got {budget!r}")
+    return int(budget)  # type: ignore[call-overload]
+
+
+def _check_rate(name: str, value: object, lo: float = 0.0, hi: float = 1.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (lo <= value <= hi):
+        raise ValueError(f"{name} must be a number in [{lo}, {hi}], got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class FanOut:
+    """F_0..F_K: candidates prepared per acceptance length k (index k), so len(values) == K + 1."""
+
+    values: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        values = tuple(self.values)
+        if len(values) < 2:
+            raise ValueError(
+                f"a fan-out needs K + 1 >= 2 entries (F_0..F_K for lookahead K >= 1), got {list(values)}"
+            )
+        for k, f in enumerate(values):
+            if not _is_int(f) or f < 0:
+                raise ValueError(f"fan-out entries must be integers >= 0, got F_{k} = {f!r}")
+        if sum(values) == 0:
+            raise ValueError(f"at least one fan-out entry must be > 0, got {list(values)}")
+        object.__setattr__(self, "values", values)
+
+    @property
+    def K(self) -> int:
+        return len(self.values) - 1
+
+    @property
+    def budget(self) -> int:
+        return sum(self.values)
+
+    def as_list(self) -> list[int]:
+        return list(self.values)
+
+
+def acceptance_length_probs(a: float, K: int) -> list[float]:
+    """P(k) for k = 0..K under the truncated geometric model; a = 0 puts all mass on k = 0, a = 1 on k = K."""
+    a = _check_rate("acceptance rate a", a)
+    K = _check_lookahead(K)
+    probs = [(1.0 - a) * a**k for k in range(K)]  # 0.0 ** 0 == 1.0, so a = 0 gives P(0) = 1
+    probs.append(a**K)
+    return probs
+
+
+def largest_remainder(weights: Sequence[float], total: int) -> list[int]:
+    """Integers >= 0 proportional to `weights` that sum exactly to `total` (Hamilton's method).
+
+    Each entry first gets floor(total * w_k / sum(w)); the units left over go one each to the entries with
+    the largest fractional remainders. Ties (equal remainders up to 1e-9) go to the smaller index, so the
+    result is deterministic and, for a geometric allocation, favours shorter acceptance lengths (which
+    are the more likely ones whenever their weights are equal).
+    """
+    if not _is_int(total) or total < 0:
+        raise ValueError(f"total must be an integer >= 0, got {total!r}")
+    if not weights or any(not math.isfinite(w) or w < 0 for w in weights):
+        raise ValueError(f"weights must be a non-empty list of finite numbers >= 0, got {list(weights)}")
+    weight_sum = math.fsum(weights)
+    if weight_sum <= 0:
+        raise ValueError(f"at least one weight must be > 0, got {list(weights)}")
+    quotas = [total * w / weight_sum for w in weights]
+    counts = [math.floor(q + _SNAP_EPS) for q in quotas]
+    left = total - sum(counts)  # >= 0: each floor is <= its quota + eps and the quotas sum to total
+    order = sorted(range(len(weights)), key=lambda k: (-round(quotas[k] - counts[k], _TIE_DECIMALS), k))
+    for k in order[:left]:
+        counts[k] += 1
+    return counts
+
+
+def geometric_fan_out(a: float, r: float, K: int, budget: int) -> list[int]:
+    """The budget-optimal fan-out F_0..F_K for acceptance rate `a` and miss exponent `r`.
+
+    F_k is proportional to P(k)^(1/(1+r)) (see the module docstring), rounded by `largest_remainder` so
+    the entries are integers >= 0 summing exactly to `budget`; ties go to the smaller k. Edge cases:
+    a = 0 gives [budget, 0, ..., 0] (every round rejects the first draft), a = 1 gives [0, ..., 0, budget]
+    (every round accepts everything). r = 0 allocates in proportion to P(k); larger r flattens the
+    allocation, because extra candidates at a likely k then buy little.
+    """
+    a = _check_rate("acceptance rate a", a)
+    if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 <= r < math.inf):
+        raise ValueError(f"miss exponent r must be a finite number >= 0, got {r!r}")
+    K = _check_lookahead(K)
+    budget = _check_budget(budget)
+    exponent = 1.0 / (1.0 + float(r))
+    weights = [p**exponent for p in acceptance_length_probs(a, K)]  # 0 ** x == 0 for x > 0
+    return largest_remainder(weights, budget)
+
+
+def expected_tokens_per_round(a: float, K: int) -> float:
+    """E[k + 1] under the truncated geometric model: sum_{i=0..K} a^i (= K + 1 when a = 1)."""
+    a = _check_rate("acceptance rate a", a)
+    K = _check_lookahead(K)
+    return math.fsum(a**i for i in range(K + 1))
+
+
+class AcceptanceEstimator:
+    """Online estimates of the acceptance rate a, the miss exponent r and the overall cache hit rate.
+
+    Acceptance rate: every drafted position that verification looked at is a Bernoulli(a) trial. A round
+    with n drafts and k accepted attempted k + 1 positions if k < n (the (k+1)-th was rejected) and n if
+    k = n, so a = accepted / attempted is the maximum-likelihood estimate under the truncated geometric
+    model. Counts start from a prior (`prior_acceptance` with weight `prior_weight` pseudo-positions) and
+    decay by `decay` per attempted position (not per round, so a long run of fully accepted rounds does
+    not outweigh the short rounds that follow it), giving a memory of roughly 1 / (1 - decay) positions:
+    the estimate follows drifts in the text and the sampling options.
+
+    Miss exponent: per fan-out F, decayed counts of lookups and hits. Under 1 - hit(F) = F^(-r),
+    log miss(F) = -r log F, a line through the origin, so r is the weighted least-squares slope
+    r = -sum n_F x_F y_F / sum n_F x_F^2 with x_F = log F, y_F = log of the smoothed miss rate
+    (misses + 1/2) / (lookups + 1), weights n_F = lookups. F = 0 (nothing prepared) and F = 1 (x = 0)
+    carry no information about r. With fewer than `min_lookups` (decayed) lookups at F >= 2, r is
+    `default_r`; the fit is clamped to `r_bounds`.
+    """
+
+    def __init__(
+        self,
+        prior_acceptance: float = 0.6,
+        prior_weight: float = 4.0,
+        decay: float = 0.998,
+        default_r: float = 1.0,
+        r_bounds: tuple[float, float] = (0.05, 5.0),
+        min_lookups: float = 32.0,
+        lookup_decay: float = 0.999,
+        prior_hit_rate: float = 0.5,
+    ) -> None:
+        prior_acceptance = _check_rate("prior_acceptance", prior_acceptance)
+        self.decay = _check_rate("decay", decay)
+        self.lookup_decay = _check_rate("lookup_decay", lookup_decay)
+        prior_hit_rate = _check_rate("prior_hit_rate", prior_hit_rate)
+        if isinstance(prior_weight, bool) or not isinstance(prior_weight, (int, float)) or not (
+            0.0 < prior_weight < math.inf
+        ):
+            raise ValueError(f"prior_weight must be a finite number > 0, got {prior_weight!r}")
+        lo, hi = r_bounds
+        if not (0.0 <= lo <= hi < math.inf):
+            raise ValueError(f"r_bounds must be (lo, hi) with 0 <= lo <= hi < inf, got {r_bounds!r}")
+        if not (lo <= default_r <= hi):
+            raise ValueError(f"default_r must lie within r_bounds {r_bounds}, got {default_r!r}")
+        if not (0.0 <= min_lookups < math.inf):
+            raise ValueError(f"min_lookups must be a finite number >= 0, got {min_lookups!r}")
+        self.default_r = float(default_r)
+        self.r_bounds = (float(lo), float(hi))
+        self.min_lookups = float(min_lookups)
+        self._accepted = prior_acceptance * prior_weight
+        self._attempted = float(prior_weight)
+        self._lookups = 1.0  # one pseudo-lookup at prior_hit_rate
+        self._hits = prior_hit_rate
+        self._per_fan_out: dict[int, list[float]] = {}  # F -> [lookups, hits], decayed
+        self._r_cache: tuple[int, float] | None = None
+        self.version = 0  # bumped on every observation, so callers can cache what they derive
+
+    def observe_round(self, num_drafts: int, num_accepted: int) -> None:
+        """Record one sequence's verified round: `num_accepted` of `num_drafts` drafts were accepted."""
+        if not _is_int(num_drafts) or num_drafts < 0:
+            raise ValueError(f"num_drafts must be an integer >= 0, got {num_drafts!r}")
+        if not _is_int(num_accepted) or not (0 <= num_accepted <= num_drafts):
+            raise ValueError(
+                f"num_accepted must be an integer in [0, num_drafts={num_drafts}], got {num_accepted!r}"
+            )
+        if num_drafts == 0:
+            return  # nothing was proposed, so nothing was tested
+        attempted = num_accepted + (1 if num_accepted < num_drafts else 0)
+        forget = self.decay**attempted
+        self._accepted = forget * self._accepted + num_accepted
+        self._attempted = forget * self._attempted + attempted
+        self.version += 1
+
+    def observe_lookup(self, fan_out_k: int, hit: bool) -> None:
+        """Record one cache lookup at acceptance length k, for which F_k = `fan_out_k` were prepared."""
+        if not _is_int(fan_out_k) or fan_out_k < 0:
+            raise ValueError(f"fan_out_k must be an integer >= 0, got {fan_out_k!r}")
+        if hit and fan_out_k == 0:
+            raise ValueError("a cache hit is impossible with fan_out_k = 0 (no candidate was prepared)")
+        d = self.lookup_decay
+        self._lookups = d * self._lookups + 1.0
+        self._hits = d * self._hits + (1.0 if hit else 0.0)
+        for counts in self._per_fan_out.values():
+            counts[0] *= d
+            counts[1] *= d
+        counts = self._per_fan_out.setdefault(fan_out_k, [0.0, 0.0])
+        counts[0] += 1.0
+        counts[1] += 1.0 if hit else 0.0
+        self.version += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self._accepted / self._attempted
+
+    @property
+    def hit_rate(self) -> float:
+        """Fraction of lookups that hit, over all fan-outs (decayed, starting from `prior_hit_rate`)."""
+        return self._hits / self._lookups
+
+    @property
+    def miss_exponent(self) -> float:
+        """r in 1 - hit(F) = F^(-r); see the class docstring for the fit."""
+        if self._r_cache is not None and self._r_cache[0] == self.version:
+            return self._r_cache[1]
+        r = self._fit_r()
+        self._r_cache = (self.version, r)
+        return r
+
+    def _fit_r(self) -> float:
+        num = 0.0
+        den = 0.0
+        informative = 0.0
+        for fan_out, (lookups, hits) in self._per_fan_out.items():
+            if fan_out < 2 or lookups <= 0.0:
+                continue
+            informative += lookups
+            miss = (lookups - hits + 0.5) / (lookups + 1.0)
+            x = math.log(fan_out)
+            num += lookups * x * math.log(miss)
+            den += lookups * x * x
+        if informative < self.min_lookups or den <= 0.0:
+            return self.default_r
+        lo, hi = self.r_bounds
+        return min(hi, max(lo, -num / den))
+
+
+class FanOutPolicy:
+    """The fan-out to use now: fixed, or "auto" (geometric allocation from an `AcceptanceEstimator`).
+
+    Every policy owns an estimator (also for fixed fan-outs, so metrics and the fallback choice can read
+    a, r and the hit rate either way). Keep separate policies for rounds whose speculation came from the
+    cache (hits) and rounds served by the fallback (misses): their acceptance rates differ (a random
+    fallback is almost always rejected, so its auto allocation puts nearly everything on k = 0). Feed each
+    policy's estimator with the rounds it planned: `observe_round` for the verified round, and
+    `observe_lookup(F_k, hit)` for the lookup of the cache that policy's allocation built.
+    """
+
+    def __init__(
+        self,
+        K: int,
+        fixed: FanOut | None = None,
+        budget: int | None = None,
+        estimator: AcceptanceEstimator | None = None,
+    ) -> None:
+        self.K = _check_lookahead(K)
+        if fixed is not None:
+            if fixed.K != self.K:
+                raise ValueError(f"fan-out has K = {fixed.K} but the lookahead is K = {self.K}")
+            if budget is not None and budget != fixed.budget:
+                raise ValueError(
+                    f"budget {budget!r} disagrees with the fixed fan-out {fixed.as_list()} "
+                    f"(sum {fixed.budget}); the budget is only chosen freely for 'auto'"
+                )
+            self.budget = fixed.budget
+        else:
+            self.budget = _check_budget((self.K + 1) * 2 if budget is None else budget)
+        self.fixed = fixed
+        self.estimator = estimator if estimator is not None else AcceptanceEstimator()
+        self._cache: tuple[int, list[int]] | None = None
+
+    @property
+    def is_auto(self) -> bool:
+        return self.fixed is None
+
+    def current(self) -> list[int]:
+        """F_0..F_K for the next cache build (a fresh list; callers may keep or modify it)."""
+        if self.fixed is not None:
+            return self.fixed.as_list()
+        version = self.estimator.version
+        if self._cache is None or self._cache[0] != version:
+            est = self.estimator
+            fan_out = geometric_fan_out(est.acceptance_rate, est.miss_exponent, self.K, self.budget)
+            self._cache = (version, fan_out)
+            logger.debug(
+                "auto fan-out a=%.3f r=%.3f -> %s", est.acceptance_rate, est.miss_exponent, fan_out
+            )
+        return list(self._cache[1])
+
+    def __repr__(self) -> str:
+        kind = "auto" if self.is_auto else self.fixed.as_list()  # type: ignore[union-attr]
+        return f"FanOutPolicy(K={self.K}, {kind}, budget={self.budget})"
+
+
+def parse_fan_out(
+    spec: int | Sequence[int] | str,
+    K: int,
+    budget: int | None = None,
+    estimator: AcceptanceEstimator | None = None,
+) -> FanOutPolicy:
+    """Build a policy from a user-facing spec.
+
+    Accepted specs: an int F >= 1 (F_k = F for every k); a list of K + 1 ints >= 0 with at least one > 0;
+    "auto" (geometric allocation from online estimates, budget default (K + 1) * 2). Strings from a
+    command line are also accepted: "3" and "4,2,1,1,0" mean the same as the int and list forms. `budget`
+    only matters for "auto"; given with a fixed spec it must equal that spec's sum.
+    """
+    K = _check_lookahead(K)
+    allowed = f"an int >= 1, a list of K + 1 = {K + 1} ints >= 0 (at least one > 0), or 'auto'"
+    if isinstance(spec, str):
+        text = spec.strip().lower()
+        if text == AUTO:
+            return FanOutPolicy(K, budget=budget, estimator=estimator)
+        try:
+            parts = [int(p) for p in text.split(",")]
+        except ValueError:
+            raise ValueError(f"fan_out must be {allowed}, got {spec!r}") from None
+        spec = parts[0] if len(parts) == 1 and "," not in text else parts
+    if _is_int(spec):
+        if spec < 1:  # type: ignore[operator]
+            raise ValueError(f"a uniform fan_out must be >= 1, got {spec!r}; allowed: {allowed}")
+        values = [int(spec)] * (K + 1)  # type: ignore[call-overload]
+    elif isinstance(spec, (list, tuple)):
+        if len(spec) != K + 1:
+            raise ValueError(
+                f"fan_out list must have K + 1 = {K + 1} entries (F_0..F_{K}), got {len(spec)}: {list(spec)}"
+            )
+        values = list(spec)
+    else:
+        raise ValueError(f"fan_out must be {allowed}, got {spec!r}")
+    return FanOutPolicy(K, fixed=FanOut(tuple(values)), budget=budget, estimator=estimator)
+
+
+def expected_missed(batch_size: int, hit_rate: float) -> float:
+    """E[# sequences that missed | at least one missed], sequences hitting independently with `hit_rate`.
+
+    b (1 - p) / (1 - p^b); the limit as p -> 1 is 1 (exactly one sequence misses).
+    """
+    if not _is_int(batch_size) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    hit_rate = _check_rate("hit_rate", hit_rate)
+    if hit_rate >= 1.0:
+        return 1.0
+    return batch_size * (1.0 - hit_rate) / (1.0 - hit_rate**batch_size)
+
+
+def choose_fallback(
+    batch_size: int,
+    hit_rate: float,
+    expected_tokens_jit: float,
+    expected_tokens_random: float,
+    verify_time_s: float,
+    jit_time_s: float,
+    expected_tokens_hit: float | None = None,
+    num_missed: int | None = None,
+) -> Literal["jit", "random"]:
+    """Pick the fallback with more expected tokens per second for a batch in which some sequence missed.
+
+    Model, for a round in which m of the b sequences missed (m = `num_missed` when known, else its
+    expectation given at least one miss, `expected_missed(b, hit_rate)`):
+      jit:    the round takes verify + jit time; every sequence then holds a neural draft, the missed ones
+              yield `expected_tokens_jit` each and the hits `expected_tokens_hit`.
+      random: the round takes verify time only; the missed sequences yield `expected_tokens_random`
+              (~1: the filler is almost always rejected) and the hits `expected_tokens_hit`.
+    `expected_tokens_hit` defaults to `expected_tokens_jit` (a cached speculation is the same neural
+    draft, prepared earlier). Ties go to "random": same throughput, and the draft worker is free sooner.
+    """
+    if not _is_int(batch_size) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    hit_rate = _check_rate("hit_rate", hit_rate)
+    if num_missed is not None and (not _is_int(num_missed) or not (1 <= num_missed <= batch_size)):
+        raise ValueError(
+            f"num_missed must be None or an integer in [1, batch_size={batch_size}], got {num_missed!r}"
+        )
+    if expected_tokens_hit is None:
+        expected_tokens_hit = expected_tokens_jit
+    for name, value in (
+        ("expected_tokens_jit", expected_tokens_jit),
+        ("expected_tokens_random", expected_tokens_random),
+        ("expected_tokens_hit", expected_tokens_hit),
+        ("jit_time_s", jit_time_s),
+    ):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value < math.inf):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    if isinstance(verify_time_s, bool) or not isinstance(verify_time_s, (int, float)) or not (
+        0.0 < verify_time_s < math.inf
+    ):
+        raise ValueError(f"verify_time_s must be a finite number > 0, got {verify_time_s!r}")
+    missed = float(num_missed) if num_missed is not None else expected_missed(batch_size, hit_rate)
+    hits = batch_size - missed
+    jit_rate = (hits * expected_tokens_hit + missed * expected_tokens_jit) / (verify_time_s + jit_time_s)
+    random_rate = (hits * expected_tokens_hit + missed * expected_tokens_random) / verify_time_s
+    return "jit" if jit_rate > random_rate else "random"

@@ -1,0 +1,182 @@
+"""The SSD draft worker: a process of its own that serves speculations and builds the next cache.
+
+A plain function loop (``run_draft_worker``): receive a message, act, and for SPECULATE reply at once and
+then build the cache for the round being verified, which is the work that SSD takes off the critical path.
+It pins itself to its own CPU cores (or uses its own device) so target and draft do not compete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import numpy as np
+import torch
+
+from ssd.core.block_pool import BlockPool
+from ssd.core.kv_cache_manager import KVCacheManager
+from ssd.executor.model_runner import ModelRunner
+from ssd.sampling_params import SamplingParams
+from ssd.spec.drafting import DraftDistribution
+from ssd.spec.ssd import protocol as wire
+from ssd.spec.ssd.draft_engine import JIT, RANDOM, DraftEngine, SpeculateRow
+from ssd.spec.ssd.fanout import parse_fan_out
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerConfig:
+    model: str
+    dtype: str
+    device: str
+    block_size: int
+    max_model_len: int
+    num_blocks: int
+    enable_prefix_caching: bool
+    target_vocab_size: int
+    num_usable_tokens: int
+    num_speculative_tokens: int
+    fan_out: int | list[int] | str
+    fan_out_miss: int | list[int] | str | None
+    saguaro_c: float
+    seed: int
+    num_threads: int | None
+    cpu_affinity: list[int] | None
+    log_level: int = logging.WARNING
+
+
+def _pin(config: WorkerConfig) -> None:
+    if config.cpu_affinity and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, config.cpu_affinity)
+    threads = config.num_threads or (len(config.cpu_affinity) if config.cpu_affinity else None)
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def build_draft_engine(config: WorkerConfig) -> DraftEngine:
+    runner = ModelRunner(
+        config.model, config.dtype, config.device, config.block_size, config.max_model_len,
+        kv_cache_memory=None, kv_cache_fraction=0.5, num_blocks=config.num_blocks,
+    )
+    kv = KVCacheManager(BlockPool(runner.num_blocks, config.block_size, config.enable_prefix_caching))
+    dist = DraftDistribution(config.target_vocab_size, config.num_usable_tokens)
+    return DraftEngine(runner, kv, dist, config.num_speculative_tokens, config.saguaro_c, config.seed)
+
+
+class FanOutPlanner:
+    """Fan-out for the next cache build: one policy for speculations served from the cache, one for misses."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        K = config.num_speculative_tokens
+        self.hit = parse_fan_out(config.fan_out, K)
+        miss = config.fan_out_miss if config.fan_out_miss is not None else config.fan_out
+        self.miss = parse_fan_out(miss, K)
+
+    def observe(self, served_by_hit: bool, k: int, num_drafts: int, hit: bool, fan_out_k: int) -> None:
+        """The policy that planned the cache just looked up learns from the round and the lookup."""
+        estimator = (self.hit if served_by_hit else self.miss).estimator
+        estimator.observe_round(num_drafts, k)
+        estimator.observe_lookup(fan_out_k, hit)
+
+    def current(self, hit: bool) -> list[int]:
+        return (self.hit if hit else self.miss).current()
+
+
+def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
+    """Process entry point. Returns when told to shut down or when the target side goes away."""
+    logging.basicConfig(level=config.log_level, format="%(asctime)s draft-worker %(levelname)s: %(message)s")
+    try:
+        _pin(config)
+        engine = build_draft_engine(config)
+        planner = FanOutPlanner(config)
+    except Exception as exc:  # report start-up failures to the client instead of dying silently
+        logger.exception("draft worker failed to start")
+        conn.send_bytes(wire.ErrorMsg(f"draft worker failed to start: {exc}").pack())
+        return
+    conn.send_bytes(wire.ReadyMsg().pack())
+    last_plan: dict[int, tuple[bool, list[int]]] = {}  # seq_id -> (built after a hit, F_0..F_K)
+    try:
+        while True:
+            msg = wire.decode_message(conn.recv_bytes())
+            if isinstance(msg, wire.ShutdownMsg):
+                return
+            if isinstance(msg, wire.PingMsg):
+                conn.send_bytes(wire.PongMsg().pack())
+            elif isinstance(msg, wire.PrefillMsg):
+                engine.prefill(
+                    [(int(sid), toks.tolist(), _params(msg, row))
+                     for row, (sid, toks) in enumerate(zip(msg.seq_ids, msg.token_lists()))]
+                )
+            elif isinstance(msg, wire.ReleaseMsg):
+                for seq_id in msg.seq_ids.tolist():
+                    engine.release(seq_id)
+                    last_plan.pop(seq_id, None)
+            elif isinstance(msg, wire.SpeculateMsg):
+                _serve(conn, engine, planner, msg, last_plan)
+    except (EOFError, OSError):
+        logger.warning("target side closed the connection; draft worker exiting")
+
+
+def _serve(conn, engine: DraftEngine, planner: FanOutPlanner, msg, last_plan) -> None:
+    start = time.perf_counter()
+    rows = [
+        SpeculateRow(int(seq_id), new.tolist(), int(k), int(n))
+        for seq_id, new, k, n in zip(msg.seq_ids, msg.new_token_lists(), msg.num_accepted, msg.num_drafts)
+    ]
+    fallback = RANDOM if msg.fallback == wire.FallbackKind.RANDOM else JIT
+    results = engine.speculate(rows, fallback)
+    reply = speculation_message(msg.round_id, results, engine.K, engine.dist.target_vocab_size,
+                                engine.last_build.seconds, time.perf_counter() - start)
+    conn.send_bytes(reply.pack())
+    # The reply is out: from here on the draft works while the target verifies.
+    fan_outs = {}
+    for row, result in zip(rows, results):
+        previous = last_plan.get(row.seq_id)
+        if row.num_accepted >= 0 and previous is not None:
+            built_after_hit, plan = previous
+            f = plan[row.num_accepted] if row.num_accepted < len(plan) else 0
+            planner.observe(built_after_hit, row.num_accepted, len(plan) - 1, result.hit, f)
+        fan_outs[row.seq_id] = planner.current(result.hit)
+        last_plan[row.seq_id] = (result.hit, fan_outs[row.seq_id])
+    engine.build_cache(fan_outs)
+
+
+def speculation_message(
+    round_id: int, results, K: int, vocab: int, build_s: float, serve_s: float
+) -> wire.SpeculationMsg:
+    tokens = np.zeros((len(results), K), dtype=np.int64)  # [B, K]
+    prob_rows, probs = [], []
+    for i, r in enumerate(results):
+        tokens[i, : len(r.tokens)] = r.tokens
+        if r.probs is not None:
+            prob_rows.append(i)
+            padded = torch.zeros(K, vocab)  # [K, V]
+            padded[: r.probs.shape[0]] = r.probs
+            probs.append(padded)
+    return wire.SpeculationMsg(
+        round_id=round_id,
+        draft_tokens=tokens,
+        hit=np.array([r.hit for r in results], dtype=np.bool_),
+        fallback=np.array([_FALLBACK_KIND[r.fallback] for r in results], dtype=np.uint8),
+        prob_rows=np.array(prob_rows, dtype=np.int32),
+        probs=torch.stack(probs).numpy() if probs else np.zeros((0, K, vocab), dtype=np.float32),
+        cache_build_s=build_s,
+        serve_s=serve_s,
+    )
+
+
+_FALLBACK_KIND = {None: wire.FallbackKind.NONE, JIT: wire.FallbackKind.JIT, RANDOM: wire.FallbackKind.RANDOM}
+
+
+def _params(msg: wire.PrefillMsg, row: int) -> SamplingParams:
+    greedy = bool(msg.greedy[row])
+    return SamplingParams(
+        temperature=0.0 if greedy else float(msg.temperature[row]),
+        top_k=int(msg.top_k[row]),
+        top_p=float(msg.top_p[row]),
+        seed=msg.seed_of(row),
+    )
