@@ -10,9 +10,12 @@ while decoding, so no byte layout is maintained by hand and adding a field is a 
     header   JSON {"f": {name: scalar}, "a": [[name, dtype.str, shape], ...]}
     data     arrays back to back, each padded to start at a multiple of 8 bytes; no trailing bytes
 
-Decoded arrays are zero-copy views into the received buffer (`np.frombuffer`): read-only when the
+`decode_frame` returns zero-copy views into the received buffer (`np.frombuffer`): read-only when the
 buffer is `bytes` (what `recv_bytes` returns), writable when it is a `bytearray` (`recv_bytes_into`).
-Copy before modifying, or before `torch.from_numpy`, which warns about read-only arrays.
+The typed messages copy their small arrays (a few microseconds), so callers own writable arrays that
+never alias a reused receive buffer, and `torch.from_numpy` works without warnings; only the large ones
+named in a class's ZERO_COPY (SpeculationMsg.probs) stay views, and `SpeculationMsg.dense_probs()`
+returns a fresh array.
 
 This module imports numpy only; the typed messages validate shapes and dtypes on construction and on
 decoding, so a malformed message fails here with a `ProtocolError` instead of deep inside the worker.
@@ -102,7 +105,9 @@ def encode_frame(
     specs: list[list[Any]] = []
     buffers: list[np.ndarray] = []
     for name, value in (arrays or {}).items():
-        arr = np.ascontiguousarray(value)
+        arr = np.asarray(value)
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)  # (ascontiguousarray alone would turn 0-d into 1-d)
         if arr.dtype.kind not in _ARRAY_KINDS or arr.dtype.fields is not None:
             raise ProtocolError(
                 f"array {name!r} must have a bool, integer or float dtype, got {arr.dtype}"
@@ -192,14 +197,15 @@ def _coerce_array(owner: str, name: str, value: object, dtype: np.dtype, ndim: i
     if arr.dtype != dtype:
         if arr.size == 0:
             return arr.astype(dtype)
-        if dtype.kind == "b" and arr.dtype.kind in "iu" and arr.min() >= 0 and arr.max() <= 1:
-            return arr.astype(dtype)  # 0/1 integers are flags, losslessly
-        if not np.can_cast(arr.dtype, dtype, casting="same_kind"):
-            raise ProtocolError(f"{owner}.{name} must be {dtype} (got {arr.dtype}, which would lose values)")
-        if dtype.kind in "iu" and arr.dtype.kind in "iu":
+        if dtype.kind in "iu" and arr.dtype.kind in "iu":  # any integer width, if the values fit
             info = np.iinfo(dtype)
             if arr.min() < info.min or arr.max() > info.max:
                 raise ProtocolError(f"{owner}.{name} has values outside the {dtype} range")
+        elif dtype.kind == "b" and arr.dtype.kind in "iu":  # 0/1 integers are flags
+            if arr.min() < 0 or arr.max() > 1:
+                raise ProtocolError(f"{owner}.{name} must be bool (got {arr.dtype} values other than 0/1)")
+        elif not np.can_cast(arr.dtype, dtype, casting="same_kind"):
+            raise ProtocolError(f"{owner}.{name} must be {dtype} (got {arr.dtype}, which would lose values)")
         arr = arr.astype(dtype)
     return arr
 
@@ -256,6 +262,7 @@ class _Message:
 
     COMMAND: ClassVar[Command]
     ARRAYS: ClassVar[dict[str, tuple[np.dtype, int]]] = {}  # name -> (dtype, ndim)
+    ZERO_COPY: ClassVar[frozenset[str]] = frozenset()  # arrays left as views into the buffer when decoded
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -283,8 +290,12 @@ class _Message:
                 f"{sorted(frame.fields)}; expected arrays {sorted(cls.ARRAYS)} and fields "
                 f"{sorted(expected_fields)}"
             )
+        arrays = {
+            name: arr if name in cls.ZERO_COPY else arr.copy()  # copies never alias a reused buffer
+            for name, arr in frame.arrays.items()
+        }
         try:
-            return cls(**frame.fields, **frame.arrays)
+            return cls(**frame.fields, **arrays)
         except TypeError as exc:  # a required scalar field is missing
             raise ProtocolError(f"malformed {frame.command.name} message: {exc}") from None
 
@@ -435,21 +446,38 @@ class SpeculateMsg(_Message):
 
 
 def scatter_prob_rows(
-    prob_rows: np.ndarray, probs: np.ndarray, batch_size: int, vocab_size: int | None = None
+    prob_rows: np.ndarray,
+    probs: np.ndarray,
+    batch_size: int,
+    vocab_size: int | None = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
-    """[S, K, V] probabilities of rows `prob_rows` -> a fresh [B, K, V] array, zeros in the other rows."""
+    """[S, K, V] probabilities of rows `prob_rows` -> [B, K, V], zeros in the other rows.
+
+    The result is a fresh array unless `out` (a C-contiguous [B, K, V] float32 array) is given to be
+    filled and returned: a caller that reuses one buffer per round avoids the page faults of allocating
+    megabytes every round (with V ~ 50k, these cost more than the copy itself).
+    """
     S, K, V = probs.shape
     if vocab_size is None:
-        if S == 0:
+        if S == 0 and out is None:
             raise ProtocolError("vocab_size is needed to build dense probabilities when no row carries any")
-        vocab_size = V
+        vocab_size = V if S else out.shape[-1]  # type: ignore[union-attr]
     elif S and V != vocab_size:
         raise ProtocolError(f"probabilities have vocabulary {V}, expected vocab_size={vocab_size}")
-    if S == batch_size:
-        out = np.empty((batch_size, K, vocab_size), dtype=probs.dtype)  # [B, K, V]
-    else:
-        out = np.zeros((batch_size, K, vocab_size), dtype=probs.dtype)  # [B, K, V]
-    out[prob_rows] = probs
+    shape = (batch_size, K, vocab_size)
+    if out is None:
+        out = np.empty(shape, dtype=np.float32)  # [B, K, V]
+    elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ProtocolError(
+            f"out must be a C-contiguous float32 array of shape {shape}, got {out.dtype} {out.shape}"
+        )
+    has_probs = np.zeros(batch_size, dtype=bool)  # [B]
+    for s, row in enumerate(prob_rows.tolist()):  # row slices copy at memcpy speed; fancy indexing is slower
+        out[row] = probs[s]
+        has_probs[row] = True
+    for row in np.flatnonzero(~has_probs).tolist():
+        out[row] = 0.0
     return out
 
 
@@ -469,6 +497,7 @@ class SpeculationMsg(_Message):
         "prob_rows": (_I32, 1),
         "probs": (_F32, 3),
     }
+    ZERO_COPY: ClassVar[frozenset[str]] = frozenset({"probs"})
 
     round_id: int
     draft_tokens: np.ndarray  # [B, K] int64
@@ -505,9 +534,9 @@ class SpeculationMsg(_Message):
     def batch_size(self) -> int:
         return int(self.draft_tokens.shape[0])
 
-    def dense_probs(self, vocab_size: int | None = None) -> np.ndarray:
-        """[B, K, V] float32 (a fresh writable array), zeros in the rows that sent no probabilities."""
-        return scatter_prob_rows(self.prob_rows, self.probs, self.batch_size, vocab_size)
+    def dense_probs(self, vocab_size: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """[B, K, V] float32, zeros in the rows that sent no probabilities (see `scatter_prob_rows`)."""
+        return scatter_prob_rows(self.prob_rows, self.probs, self.batch_size, vocab_size, out)
 
 
 @dataclass(eq=False)

@@ -1,0 +1,367 @@
+"""SSD fan-out planning: geometric allocation (hand-computed), parsing, online estimators, fallback choice."""
+
+import math
+
+import numpy as np
+import pytest
+
+from ssd.spec.ssd.fanout import (
+    AcceptanceEstimator,
+    FanOut,
+    FanOutPolicy,
+    acceptance_length_probs,
+    choose_fallback,
+    expected_missed,
+    expected_tokens_per_round,
+    geometric_fan_out,
+    largest_remainder,
+    parse_fan_out,
+)
+
+# ------------------------------------------------------------------------------------------------
+# geometric allocation
+
+
+def test_acceptance_length_probs_exact():
+    assert acceptance_length_probs(0.5, 2) == [0.5, 0.25, 0.25]
+    assert acceptance_length_probs(0.0, 3) == [1.0, 0.0, 0.0, 0.0]
+    assert acceptance_length_probs(1.0, 3) == [0.0, 0.0, 0.0, 1.0]
+    assert sum(acceptance_length_probs(0.7, 5)) == pytest.approx(1.0, abs=1e-15)
+
+
+@pytest.mark.parametrize(
+    "a, r, K, budget, expected",
+    [
+        # P = [.5, .25, .25], w = sqrt(P) = [.7071, .5, .5]; quotas 4.142, 2.929, 2.929 -> floors 4, 2, 2,
+        # the 2 units left go to the largest remainders (k = 1, 2).
+        (0.5, 1.0, 2, 10, [4, 3, 3]),
+        # same weights, budget 7: quotas 2.899, 2.050, 2.050 -> floors 2, 2, 2, one unit left -> k = 0.
+        (0.5, 1.0, 2, 7, [3, 2, 2]),
+        # r = 0: proportional to P = [.5, .25, .25]; quotas 1, .5, .5: the tie goes to the smaller k.
+        (0.5, 0.0, 2, 2, [1, 1, 0]),
+        # r = 0, P = [.5, .25, .125, .125]: quotas are exact integers.
+        (0.5, 0.0, 3, 8, [4, 2, 1, 1]),
+        # P = [.2, .16, .128, .1024, .4096], w = sqrt(P), sum 2.16498; quotas 2.066, 1.848, 1.653, 1.478,
+        # 2.956 -> floors 2, 1, 1, 1, 2 and the 3 units left go to k = 4 (.956), 1 (.848), 2 (.653).
+        (0.8, 1.0, 4, 10, [2, 2, 2, 1, 3]),
+        # the auto default before any data: a = 0.6, r = 1, K = 4, budget (K + 1) * 2. P = [.4, .24,
+        # .144, .0864, .1296]; quotas 2.934, 2.273, 1.760, 1.364, 1.670 -> floors 2, 2, 1, 1, 1, the 3
+        # units left go to k = 0 (.934), 2 (.760), 4 (.670).
+        (0.6, 1.0, 4, 10, [3, 2, 2, 1, 2]),
+        # edge cases: a = 0 always rejects the first draft, a = 1 always accepts everything.
+        (0.0, 1.0, 4, 10, [10, 0, 0, 0, 0]),
+        (1.0, 1.0, 4, 10, [0, 0, 0, 0, 10]),
+        (0.0, 0.0, 1, 3, [3, 0]),
+        (1.0, 3.0, 1, 3, [0, 3]),
+    ],
+)
+def test_geometric_fan_out_hand_computed(a, r, K, budget, expected):
+    assert geometric_fan_out(a, r, K, budget) == expected
+
+
+def test_geometric_fan_out_sums_to_budget_and_flattens_with_r():
+    for a in np.linspace(0.0, 1.0, 21):
+        for r in (0.0, 0.3, 1.0, 2.5):
+            for K in (1, 3, 7):
+                for budget in (1, 5, 16, 33):
+                    fan = geometric_fan_out(float(a), r, K, budget)
+                    assert len(fan) == K + 1
+                    assert sum(fan) == budget
+                    assert min(fan) >= 0
+    # a large r makes extra candidates at a likely k cheap to give away: the allocation flattens.
+    assert geometric_fan_out(0.5, 0.0, 3, 16) == [8, 4, 2, 2]
+    assert geometric_fan_out(0.5, 100.0, 3, 16) == [4, 4, 4, 4]
+
+
+def test_largest_remainder_exact_and_ties():
+    assert largest_remainder([1.0, 1.0, 1.0], 2) == [1, 1, 0]
+    assert largest_remainder([1.0, 1.0, 1.0], 4) == [2, 1, 1]
+    assert largest_remainder([3.0, 0.0, 1.0], 4) == [3, 0, 1]
+    assert largest_remainder([0.1, 0.2, 0.7], 0) == [0, 0, 0]
+    # 0.1 + 0.2 is not exactly 0.3 in floating point; the remainders still tie and k = 0 wins.
+    assert largest_remainder([0.1 + 0.2, 0.3], 1) == [1, 0]
+    with pytest.raises(ValueError, match="weight"):
+        largest_remainder([0.0, 0.0], 3)
+    with pytest.raises(ValueError, match="weights"):
+        largest_remainder([1.0, -1.0], 3)
+    with pytest.raises(ValueError, match="total"):
+        largest_remainder([1.0], -1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(a=-0.1, r=1.0, K=2, budget=4), "acceptance rate"),
+        (dict(a=1.5, r=1.0, K=2, budget=4), "acceptance rate"),
+        (dict(a=float("nan"), r=1.0, K=2, budget=4), "acceptance rate"),
+        (dict(a=0.5, r=-0.5, K=2, budget=4), "miss exponent"),
+        (dict(a=0.5, r=math.inf, K=2, budget=4), "miss exponent"),
+        (dict(a=0.5, r=1.0, K=0, budget=4), "lookahead"),
+        (dict(a=0.5, r=1.0, K=True, budget=4), "lookahead"),
+        (dict(a=0.5, r=1.0, K=2, budget=0), "budget"),
+        (dict(a=0.5, r=1.0, K=2, budget=2.0), "budget"),
+    ],
+)
+def test_geometric_fan_out_rejects_bad_inputs(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        geometric_fan_out(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# parsing and policies
+
+
+def test_parse_uniform_list_and_strings():
+    assert parse_fan_out(2, K=3).current() == [2, 2, 2, 2]
+    assert parse_fan_out([4, 2, 1, 0], K=3).current() == [4, 2, 1, 0]
+    assert parse_fan_out((0, 0, 1), K=2).current() == [0, 0, 1]
+    assert parse_fan_out("3", K=2).current() == [3, 3, 3]
+    assert parse_fan_out(" 4,2,1,1,0 ", K=4).current() == [4, 2, 1, 1, 0]
+    policy = parse_fan_out([1, 2, 3], K=2, budget=6)
+    assert not policy.is_auto and policy.budget == 6 and policy.K == 2
+
+
+def test_parse_auto_and_default_budget():
+    policy = parse_fan_out("auto", K=4)
+    assert policy.is_auto and policy.budget == 10
+    assert policy.current() == [3, 2, 2, 1, 2]  # a = 0.6, r = 1 priors: see the hand-computed case
+    assert parse_fan_out(" AUTO", K=2, budget=5).budget == 5
+    assert sum(parse_fan_out("auto", K=2, budget=5).current()) == 5
+
+
+@pytest.mark.parametrize(
+    "spec, K, budget, match",
+    [
+        (0, 3, None, "uniform fan_out must be >= 1"),
+        (-2, 3, None, "uniform fan_out must be >= 1"),
+        ("0", 3, None, "uniform fan_out must be >= 1"),
+        (True, 3, None, "fan_out must be"),
+        (2.5, 3, None, "fan_out must be"),
+        (None, 3, None, "fan_out must be"),
+        ("fast", 3, None, "fan_out must be"),
+        ("1,,2", 2, None, "fan_out must be"),
+        ([1, 2], 3, None, "K \\+ 1 = 4 entries"),
+        ([0, 0, 0, 0], 3, None, "at least one fan-out entry must be > 0"),
+        ([1, -1, 1, 1], 3, None, "integers >= 0"),
+        ([1.0, 1, 1, 1], 3, None, "integers >= 0"),
+        ([1, 1, True, 1], 3, None, "integers >= 0"),
+        ([1, 1, 1, 1], 3, 5, "disagrees with the fixed fan-out"),
+        (2, 3, 9, "disagrees with the fixed fan-out"),
+        ("auto", 3, 0, "budget"),
+        ("auto", 0, None, "lookahead"),
+        (2, 0, None, "lookahead"),
+    ],
+)
+def test_parse_errors(spec, K, budget, match):
+    with pytest.raises(ValueError, match=match):
+        parse_fan_out(spec, K, budget)
+
+
+def test_fan_out_dataclass():
+    fan = FanOut((3, 1, 0))
+    assert fan.K == 2 and fan.budget == 4 and fan.as_list() == [3, 1, 0]
+    with pytest.raises(ValueError, match="K \\+ 1 >= 2"):
+        FanOut((3,))
+    with pytest.raises(ValueError, match="lookahead is K = 3"):
+        FanOutPolicy(3, fixed=fan)
+
+
+def test_current_returns_a_fresh_list():
+    for policy in (parse_fan_out(2, K=2), parse_fan_out("auto", K=2)):
+        first = policy.current()
+        first[0] = 99
+        assert policy.current()[0] != 99
+
+
+def test_auto_policy_follows_the_estimator():
+    # Rounds served by a random fallback: every first draft is rejected, so the mass moves to k = 0.
+    miss_policy = parse_fan_out("auto", K=4)
+    for _ in range(2000):
+        miss_policy.estimator.observe_round(4, 0)
+    assert miss_policy.current() == [10, 0, 0, 0, 0]
+    # Rounds that always accept everything: the mass moves to k = K.
+    hit_policy = parse_fan_out("auto", K=4)
+    for _ in range(2000):
+        hit_policy.estimator.observe_round(4, 4)
+    assert hit_policy.current() == [0, 0, 0, 0, 10]
+    # The two policies are independent; a shared estimator is possible when asked for.
+    shared = AcceptanceEstimator()
+    p1 = parse_fan_out("auto", K=2, estimator=shared)
+    p2 = parse_fan_out(3, K=2, estimator=shared)
+    assert p1.estimator is p2.estimator is shared
+
+
+# ------------------------------------------------------------------------------------------------
+# online estimator
+
+
+def _truncated_geometric(rng: np.random.Generator, a: float, K: int, n: int) -> np.ndarray:
+    """Accepted counts k for n rounds of K Bernoulli(a) positions stopped at the first rejection."""
+    accepted = rng.random((n, K)) < a  # [n, K]
+    return np.where(accepted.all(axis=1), K, np.argmin(accepted, axis=1))
+
+
+def test_acceptance_rate_exact_mle_and_decay():
+    est = AcceptanceEstimator(prior_acceptance=0.5, prior_weight=2.0, decay=1.0)
+    assert est.acceptance_rate == 0.5  # prior: 1 accepted of 2 attempted
+    est.observe_round(4, 4)  # 4 of 4 attempted: 5 / 6
+    est.observe_round(4, 1)  # 1 accepted, 2 attempted: 6 / 8
+    est.observe_round(4, 0)  # 0 accepted, 1 attempted: 6 / 9
+    assert est.acceptance_rate == pytest.approx(6 / 9, abs=1e-15)
+    # forgetting is per attempted position: a round that attempted n positions scales the counts by d^n.
+    decayed = AcceptanceEstimator(prior_acceptance=0.5, prior_weight=2.0, decay=0.5)
+    decayed.observe_round(2, 2)  # 2 attempted: accepted 1 * .25 + 2 = 2.25, attempted 2 * .25 + 2 = 2.5
+    decayed.observe_round(2, 0)  # 1 attempted: accepted 1.125, attempted 1.25 + 1 = 2.25
+    assert decayed.acceptance_rate == pytest.approx(1.125 / 2.25, abs=1e-15)
+
+
+def test_observe_round_validation_and_empty_rounds():
+    est = AcceptanceEstimator()
+    version = est.version
+    est.observe_round(0, 0)  # nothing proposed: nothing learned
+    assert est.version == version
+    for drafts, accepted in ((3, 4), (3, -1), (-1, 0), (3, True)):
+        with pytest.raises(ValueError):
+            est.observe_round(drafts, accepted)
+
+
+def test_acceptance_rate_converges_on_synthetic_stream():
+    rng = np.random.default_rng(1234)
+    est = AcceptanceEstimator(decay=1.0)
+    for k in _truncated_geometric(rng, 0.7, 4, 5000):
+        est.observe_round(4, int(k))
+    assert abs(est.acceptance_rate - 0.7) < 0.02
+
+
+def test_acceptance_rate_adapts_with_forgetting():
+    rng = np.random.default_rng(99)
+    est = AcceptanceEstimator(decay=0.999)
+    for k in _truncated_geometric(rng, 0.9, 5, 3000):
+        est.observe_round(5, int(k))
+    assert abs(est.acceptance_rate - 0.9) < 0.03
+    for k in _truncated_geometric(rng, 0.3, 5, 3000):
+        est.observe_round(5, int(k))
+    assert abs(est.acceptance_rate - 0.3) < 0.04
+
+
+def test_miss_exponent_exact_fit():
+    est = AcceptanceEstimator(lookup_decay=1.0, min_lookups=32)
+    # F = 4: 33 lookups, 8 misses -> smoothed miss (8 + 0.5) / 34 = 1/4 = 4^(-1), so r = 1.
+    for i in range(33):
+        est.observe_lookup(4, hit=i >= 8)
+    assert est.miss_exponent == pytest.approx(1.0, abs=1e-12)
+    # F = 2 with the same counts: miss 1/4 = 2^(-2). Weighted least squares through the origin:
+    # r = -(ln2 * -2ln2 + 2ln2 * -2ln2) / (ln2^2 + (2ln2)^2) = 6/5.
+    for i in range(33):
+        est.observe_lookup(2, hit=i >= 8)
+    assert est.miss_exponent == pytest.approx(1.2, abs=1e-12)
+
+
+def test_miss_exponent_defaults_and_clamps():
+    est = AcceptanceEstimator(default_r=0.8, r_bounds=(0.1, 3.0), min_lookups=32, lookup_decay=1.0)
+    assert est.miss_exponent == 0.8  # no data
+    for i in range(100):  # F = 0 and F = 1 say nothing about r
+        est.observe_lookup(0, hit=False)
+        est.observe_lookup(1, hit=i % 2 == 0)
+    assert est.miss_exponent == 0.8
+    for _ in range(31):  # below min_lookups at F >= 2
+        est.observe_lookup(3, hit=True)
+    assert est.miss_exponent == 0.8
+    est.observe_lookup(3, hit=True)  # 32 hits of 32 at F = 3: the fit is huge, clamped to the bound
+    assert est.miss_exponent == 3.0
+    low = AcceptanceEstimator(r_bounds=(0.1, 3.0), min_lookups=8, lookup_decay=1.0)
+    for _ in range(50):  # never a hit at F = 8: r -> ~0, clamped to the lower bound
+        low.observe_lookup(8, hit=False)
+    assert low.miss_exponent == 0.1
+    with pytest.raises(ValueError, match="impossible"):
+        est.observe_lookup(0, hit=True)
+    with pytest.raises(ValueError, match="fan_out_k"):
+        est.observe_lookup(-1, hit=False)
+    with pytest.raises(ValueError, match="default_r"):
+        AcceptanceEstimator(default_r=9.0, r_bounds=(0.1, 3.0))
+
+
+def test_miss_exponent_recovered_from_synthetic_hits():
+    rng = np.random.default_rng(7)
+    r_true = 0.7
+    est = AcceptanceEstimator(lookup_decay=1.0)
+    for fan_out in np.repeat([1, 2, 3, 4, 6, 8], 3000)[rng.permutation(18000)]:
+        est.observe_lookup(int(fan_out), hit=bool(rng.random() < 1.0 - fan_out ** (-r_true)))
+    assert abs(est.miss_exponent - r_true) < 0.05
+
+
+def test_hit_rate():
+    est = AcceptanceEstimator(prior_hit_rate=0.5, lookup_decay=1.0)
+    assert est.hit_rate == 0.5
+    for hit in (True, True, True, False):
+        est.observe_lookup(2, hit)
+    assert est.hit_rate == pytest.approx((0.5 + 3) / (1 + 4), abs=1e-15)
+
+
+# ------------------------------------------------------------------------------------------------
+# expected values and the fallback choice
+
+
+def test_expected_tokens_per_round():
+    assert expected_tokens_per_round(0.5, 2) == 1.75
+    assert expected_tokens_per_round(0.0, 4) == 1.0
+    assert expected_tokens_per_round(1.0, 4) == 5.0
+    assert expected_tokens_per_round(0.8, 3) == pytest.approx(1 + 0.8 + 0.64 + 0.512, abs=1e-15)
+    # matches E[k + 1] computed from the distribution
+    probs = acceptance_length_probs(0.7, 6)
+    assert expected_tokens_per_round(0.7, 6) == pytest.approx(sum((k + 1) * p for k, p in enumerate(probs)))
+
+
+def test_expected_missed():
+    assert expected_missed(4, 0.5) == pytest.approx(32 / 15, abs=1e-15)  # 4 * .5 / (1 - .0625)
+    assert expected_missed(1, 0.3) == pytest.approx(1.0, abs=1e-15)
+    assert expected_missed(3, 1.0) == 1.0
+    assert expected_missed(3, 0.0) == 3.0
+
+
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        # b = 1: the one sequence missed. jit 3 / (0.1 + 0.05) = 20 tok/s vs random 1 / 0.1 = 10.
+        (dict(batch_size=1, hit_rate=0.5, jit_time_s=0.05), "jit"),
+        # jit 3 / 0.4 = 7.5 < 10.
+        (dict(batch_size=1, hit_rate=0.5, jit_time_s=0.3), "random"),
+        # b = 4, p = .5: m = 32/15 missed. jit 12 / 0.15 = 80; random (4 - m) * 3 + m * 1 = 7.733 / 0.1
+        # = 77.3.
+        (dict(batch_size=4, hit_rate=0.5, jit_time_s=0.05), "jit"),
+        # jit 12 / 0.16 = 75 < 77.3.
+        (dict(batch_size=4, hit_rate=0.5, jit_time_s=0.06), "random"),
+        # known m = 1: jit 12 / 0.16 = 75 < random (3 * 3 + 1) / 0.1 = 100.
+        (dict(batch_size=4, hit_rate=0.0, jit_time_s=0.06, num_missed=1), "random"),
+        # known m = 4: jit 12 / 0.12 = 100 > random 4 / 0.1 = 40.
+        (dict(batch_size=4, hit_rate=0.9, jit_time_s=0.02, num_missed=4), "jit"),
+        # tie (jit 2 / 0.2 = 10, random 1 / 0.1 = 10) goes to random.
+        (dict(batch_size=1, hit_rate=0.5, jit_time_s=0.1, expected_tokens_jit=2.0), "random"),
+        # hits that yield fewer tokens than a jit draft: jit (1 + 3) / 0.15 = 26.7 > (1 + 1) / 0.1 = 20.
+        (dict(batch_size=2, hit_rate=0.0, jit_time_s=0.05, num_missed=1, expected_tokens_hit=1.0), "jit"),
+    ],
+)
+def test_choose_fallback_hand_computed(kwargs, expected):
+    args = dict(expected_tokens_jit=3.0, expected_tokens_random=1.0, verify_time_s=0.1) | kwargs
+    assert choose_fallback(**args) == expected
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        (dict(batch_size=0), "batch_size"),
+        (dict(hit_rate=1.2), "hit_rate"),
+        (dict(verify_time_s=0.0), "verify_time_s"),
+        (dict(jit_time_s=-1.0), "jit_time_s"),
+        (dict(expected_tokens_jit=float("nan")), "expected_tokens_jit"),
+        (dict(num_missed=0), "num_missed"),
+        (dict(num_missed=5), "num_missed"),
+    ],
+)
+def test_choose_fallback_errors(override, match):
+    args = dict(
+        batch_size=4, hit_rate=0.5, expected_tokens_jit=3.0, expected_tokens_random=1.0,
+        verify_time_s=0.1, jit_time_s=0.05,
+    ) | override
+    with pytest.raises(ValueError, match=match):
+        choose_fallback(**args)
