@@ -19,7 +19,7 @@ import torch
 from ssd.config import EngineConfig
 from ssd.core.block_pool import BlockPool
 from ssd.core.kv_cache_manager import KVCacheManager
-from ssd.core.scheduler import Scheduler, SchedulerConfig
+from ssd.core.scheduler import Scheduler, SchedulerConfig, SequenceTooLongError
 from ssd.core.sequence import FinishReason, Sequence, SequenceStatus
 from ssd.executor.model_runner import ModelRunner
 from ssd.executor.step_executor import RowContext, StepExecutor, StepResult
@@ -71,6 +71,7 @@ class LLMEngine:
             config.max_model_len,
             config.kv_cache_memory,
             config.kv_cache_fraction,
+            max_num_seqs=config.max_num_seqs,
         )
         self.max_model_len = self.runner.max_model_len
         self.kv_manager = KVCacheManager(
@@ -99,6 +100,14 @@ class LLMEngine:
         from ssd.spec.factory import build_proposer
 
         return build_proposer(self)
+
+    @property
+    def spec_stats(self) -> SpecStats:
+        """Engine-wide speculative counters, with the draft worker's cache-build time when it has one."""
+        proposer_stats = getattr(self.proposer, "stats", None)
+        if proposer_stats is not None:
+            self.stats.draft_build_time_s = proposer_stats.draft_build_time_s
+        return self.stats
 
     # ---------------------------------------------------------------- requests
     def add_request(
@@ -181,7 +190,10 @@ class LLMEngine:
     # ---------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns outputs of the requests that produced tokens or finished."""
-        plan = self.scheduler.schedule(self._lookahead)
+        try:
+            plan = self.scheduler.schedule(self._lookahead)
+        except SequenceTooLongError as exc:  # can never fit: fail that request, keep serving the others
+            return [self._fail_request(self.requests[exc.seq.seq_id], str(exc))]
         for seq in plan.preempted:
             if self.proposer is not None:
                 self.proposer.release(seq)
@@ -206,7 +218,8 @@ class LLMEngine:
         """Draft tokens a decoding sequence gets this round (0 = plain decoding)."""
         if self.spec is None or not self._speculates(self.requests[seq.seq_id]):
             return 0
-        remaining_len = self.max_model_len - seq.num_tokens
+        # A round emits up to K + 1 tokens (the bonus takes the last place), under both length limits.
+        remaining_len = self.max_model_len - seq.num_tokens - 1
         remaining_out = seq.sampling_params.max_tokens - seq.num_output_tokens - 1
         return max(0, min(self.spec.num_speculative_tokens, remaining_len, remaining_out))
 
@@ -256,6 +269,8 @@ class LLMEngine:
                 self.kv_manager.trim(seq)
             outputs.append(self._finish_or_report(request, reason, now))
         if self.proposer is not None and result.rounds:
+            self.stats.verify_time_s += result.forward_time_s
+            self.stats.draft_critical_time_s += result.propose_time_s
             self.proposer.on_verified(list(result.rounds.values()))
         return outputs
 
@@ -295,6 +310,16 @@ class LLMEngine:
         if reason is FinishReason.STOP and ids and ids[-1] in request.stop_token_ids:
             return ids[:-1]
         return ids
+
+    def _fail_request(self, request: Request, message: str) -> RequestOutput:
+        logger.error("request %s failed: %s", request.request_id, message)
+        request.seq.error = message
+        self.scheduler.finish(request.seq, FinishReason.ERROR)
+        self._release(request, FinishReason.ERROR)
+        output = self._make_output(request, "")
+        output.error = message
+        del self.requests[request.seq.seq_id]
+        return output
 
     def _release(self, request: Request, reason: FinishReason) -> None:
         if self.proposer is not None:

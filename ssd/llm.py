@@ -33,7 +33,7 @@ class LLM:
     @property
     def stats(self) -> SpecStats:
         """Engine-wide speculative counters since start."""
-        return self.engine.stats
+        return self.engine.spec_stats
 
     def generate(
         self,

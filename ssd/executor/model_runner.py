@@ -18,6 +18,7 @@ from ssd.executor.attention import KVCache
 from ssd.executor.attention_layout import SequenceLayout, block_slots, build_attention_metadata
 from ssd.executor.memory import available_memory_bytes
 from ssd.models.arch import ModelArchConfig
+from ssd.models.draft_vocab import DraftVocab
 from ssd.models.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class ModelRunner:
         kv_cache_memory: int | None,
         kv_cache_fraction: float,
         num_blocks: int | None = None,
+        max_num_seqs: int = 16,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
@@ -63,6 +65,15 @@ class ModelRunner:
         start = time.perf_counter()
         self.model, self.arch = load_model(model_path, dtype=self.dtype, device=self.device)
         self.model.eval()
+        self.draft_vocab = DraftVocab.load(model_path)
+        self._input_map = None  # target id -> model id, for drafts with a reduced vocabulary
+        if self.draft_vocab is not None:
+            if self.draft_vocab.size != self.arch.vocab_size:
+                raise ValueError(
+                    f"{model_path}: draft_vocab.json lists {self.draft_vocab.size} ids but the model has "
+                    f"vocab_size={self.arch.vocab_size}"
+                )
+            self._input_map = torch.from_numpy(self.draft_vocab.target_to_draft()).to(self.device)
         logger.info("loaded %s (%s) in %.2f s", model_path, self.arch.architecture, time.perf_counter() - start)
         limit = self.arch.max_position_embeddings or 4096
         self.max_model_len = min(limit, 4096) if max_model_len is None else max_model_len
@@ -71,23 +82,29 @@ class ModelRunner:
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}"
             )
         if num_blocks is None:
-            num_blocks = self._plan_num_blocks(kv_cache_memory, kv_cache_fraction)
+            num_blocks = self._plan_num_blocks(kv_cache_memory, kv_cache_fraction, max_num_seqs)
         self.num_blocks = num_blocks
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
 
     @property
     def vocab_size(self) -> int:
-        return self.arch.vocab_size
+        """Token ids this model accepts as input (the target's vocabulary for a reduced-vocabulary draft)."""
+        return self.draft_vocab.target_vocab_size if self.draft_vocab is not None else self.arch.vocab_size
 
     def bytes_per_block(self) -> int:
         arch: ModelArchConfig = self.arch
         element = torch.empty((), dtype=self.dtype).element_size()
         return 2 * arch.num_hidden_layers * self.block_size * arch.num_key_value_heads * arch.head_dim * element
 
-    def _plan_num_blocks(self, kv_cache_memory: int | None, fraction: float) -> int:
-        budget = kv_cache_memory if kv_cache_memory is not None else int(available_memory_bytes(self.device) * fraction)
-        num_blocks = budget // self.bytes_per_block()
+    def _plan_num_blocks(self, kv_cache_memory: int | None, fraction: float, max_num_seqs: int) -> int:
         needed = -(-self.max_model_len // self.block_size)
+        if kv_cache_memory is None:
+            # A share of free memory, but never more than max_num_seqs full-length sequences can use.
+            budget = int(available_memory_bytes(self.device) * fraction)
+            budget = min(budget, max_num_seqs * needed * self.bytes_per_block())
+        else:
+            budget = kv_cache_memory
+        num_blocks = budget // self.bytes_per_block()
         if num_blocks < needed:
             raise ValueError(
                 f"KV cache budget of {budget / 2**20:.1f} MiB holds {num_blocks} blocks of {self.block_size} tokens, "
@@ -128,6 +145,8 @@ class ModelRunner:
             offset += n
         meta = build_attention_metadata(layouts, self.device)
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [T]
+        if self._input_map is not None:
+            input_ids = self._input_map[input_ids]  # [T] model ids
         pos = torch.from_numpy(np.concatenate(positions).astype(np.int64)).to(self.device)  # [T]
         hidden = self.model(input_ids, pos, meta, self.kv_caches)  # [T, H]
         if len(logit_rows) == offset:

@@ -105,29 +105,29 @@ class StepExecutor:
         offset = 0
         sample_rows: list[tuple[Sequence, int]] = []  # (seq, logits row)
         spec_seqs: list[tuple[Sequence, int, int]] = []  # (seq, first logits row, proposal row)
+        row_params = []  # sampling params of every logits row
         for s, item in zip(scheduled, items):
             seq = s.seq
             result.num_computed[seq.seq_id] = seq.num_computed_tokens + s.num_new_tokens
             if item.num_logits == 0:
-                offset += 0
                 continue
             row = drafts.get(seq.seq_id)
             if row is None:
                 sample_rows.append((seq, offset))
             else:
                 spec_seqs.append((seq, offset, row))
+            row_params.extend([seq.sampling_params] * item.num_logits)
             offset += item.num_logits
 
-        all_seqs = [seq for seq, _ in sample_rows]
         _ban_tokens(logits, [(r, contexts[seq.seq_id].banned_token_ids) for seq, r in sample_rows])
-        params = [seq.sampling_params for seq in _row_owners(items, scheduled)]
-        probs = processed_probs(logits, SamplingTensors.from_params(params, logits.device))  # [N, V]
+        probs = processed_probs(logits, SamplingTensors.from_params(row_params, logits.device))  # [N, V]
 
         if sample_rows:
+            seqs = [seq for seq, _ in sample_rows]
             rows = torch.tensor([r for _, r in sample_rows], device=logits.device)
-            st = SamplingTensors.from_params([seq.sampling_params for seq in all_seqs], logits.device)
+            greedy = torch.tensor([seq.sampling_params.is_greedy for seq in seqs], device=logits.device)
             tokens = sample(
-                probs[rows], [contexts[seq.seq_id].generator for seq in all_seqs], st.greedy, self.default_generator
+                probs[rows], [contexts[seq.seq_id].generator for seq in seqs], greedy, self.default_generator
             ).tolist()
             for (seq, r), token in zip(sample_rows, tokens):
                 result.new_tokens[seq.seq_id] = [token]
@@ -184,13 +184,6 @@ class StepExecutor:
 def _completes(s: ScheduledSequence) -> bool:
     """True when this step computes all of the sequence's uncomputed tokens, so a new token follows."""
     return s.seq.num_computed_tokens + s.num_new_tokens >= s.seq.num_tokens
-
-
-def _row_owners(items: list[ForwardItem], scheduled: list[ScheduledSequence]) -> list[Sequence]:
-    owners = []
-    for s, item in zip(scheduled, items):
-        owners.extend([s.seq] * item.num_logits)
-    return owners
 
 
 def _ban_tokens(logits: torch.Tensor, bans: list[tuple[int, list[int]]]) -> None:

@@ -20,17 +20,42 @@ class DraftDistribution:
     padded to the target vocabulary so verification can compare q with p directly.
     """
 
-    def __init__(self, target_vocab_size: int, num_usable_tokens: int) -> None:
+    def __init__(
+        self, target_vocab_size: int, num_usable_tokens: int, draft_to_target: torch.Tensor | None = None
+    ) -> None:
         self.target_vocab_size = target_vocab_size
         self.num_usable_tokens = num_usable_tokens
+        self._scatter = None  # reduced draft vocabulary: (draft ids with a target id, their target ids)
+        if draft_to_target is not None:
+            known = draft_to_target >= 0
+            self._scatter = (torch.nonzero(known).squeeze(1), draft_to_target[known])
 
     def masked_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits ``[N, Vd]`` -> ``[N, V]`` over target ids, -inf where the draft cannot propose."""
+        if self._scatter is not None:
+            draft_ids, target_ids = self._scatter
+            out = logits.new_full((logits.shape[0], self.target_vocab_size), float("-inf"))  # [N, V]
+            out[:, target_ids] = logits[:, draft_ids]
+            out[:, self.num_usable_tokens :] = float("-inf")
+            return out
         logits = logits[:, : self.num_usable_tokens]  # [N, U]
         missing = self.target_vocab_size - logits.shape[-1]
         if missing > 0:
             pad = logits.new_full((logits.shape[0], missing), float("-inf"))
             logits = torch.cat([logits, pad], dim=-1)  # [N, V]
         return logits
+
+    @classmethod
+    def for_runner(cls, runner: ModelRunner, target_vocab_size: int, num_usable_tokens: int) -> "DraftDistribution":
+        vocab = runner.draft_vocab
+        if vocab is None:
+            return cls(target_vocab_size, num_usable_tokens)
+        if vocab.target_vocab_size != target_vocab_size:
+            raise ValueError(
+                f"the draft's draft_vocab.json is for a target vocabulary of {vocab.target_vocab_size} tokens, "
+                f"but the target has {target_vocab_size}"
+            )
+        return cls(target_vocab_size, num_usable_tokens, torch.from_numpy(vocab.draft_to_target).to(runner.device))
 
     def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         masked = self.masked_logits(logits)  # [N, V]

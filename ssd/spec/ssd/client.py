@@ -134,7 +134,6 @@ class SSDProposer:
             self._told[seq.seq_id] = seq.num_tokens
         fallback = self._choose_fallback(len(requests))
         round_id = next(self._round_ids)
-        start = time.perf_counter()
         try:
             msg = wire.SpeculateMsg.from_lists(round_id, *zip(*rows))
             msg.fallback = int(wire.FallbackKind.RANDOM if fallback == "random" else wire.FallbackKind.JIT)
@@ -146,9 +145,8 @@ class SSDProposer:
         if isinstance(reply, wire.ErrorMsg) or getattr(reply, "round_id", round_id) != round_id:
             self._fail(reply.message if isinstance(reply, wire.ErrorMsg) else "draft worker answered out of order")
             return self._empty(requests)
-        waited = time.perf_counter() - start
         proposal = self._to_proposal(reply, requests)
-        self._account(proposal, reply, waited)
+        self._account(proposal, reply)
         self._verify_started = time.perf_counter()
         return proposal
 
@@ -159,10 +157,8 @@ class SSDProposer:
         fallbacks = [None if hit else wire.FallbackKind(kind).name.lower() for hit, kind in zip(hits, reply.fallback)]
         return Proposal(tokens, probs, [r.num_drafts for r in requests], hits, fallbacks)
 
-    def _account(self, proposal: Proposal, reply, waited: float) -> None:
-        s = self.stats
-        s.draft_build_time_s += reply.cache_build_s
-        s.draft_critical_time_s += waited
+    def _account(self, proposal: Proposal, reply) -> None:
+        self.stats.draft_build_time_s += reply.cache_build_s
         if not all(proposal.cache_hit):
             self._timing.update("jit_s", reply.serve_s)
         for hit in proposal.cache_hit:

@@ -6,6 +6,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from ssd.models.draft_vocab import DraftVocab
 from ssd.models.loader import load_arch_config
 from ssd.spec.factory import check_vocabularies, draft_num_blocks
 from ssd.spec.ssd.client import SSDProposer
@@ -36,9 +37,9 @@ def build_ssd_proposer(engine: "LLMEngine") -> SSDProposer:
     K = spec.num_speculative_tokens
     # Validate everything the worker would reject before paying for a process start.
     budget = max(sum(parse_fan_out(f, K).current()) for f in (spec.fan_out, spec.fan_out_miss or spec.fan_out))
-    draft_arch = load_arch_config(spec.model)
-    usable = check_vocabularies(engine.tokenizer, Tokenizer(spec.model), engine.runner.vocab_size,
-                                draft_arch.vocab_size)
+    draft_vocab = DraftVocab.load(spec.model)
+    draft_size = draft_vocab.target_vocab_size if draft_vocab is not None else load_arch_config(spec.model).vocab_size
+    usable = check_vocabularies(engine.tokenizer, Tokenizer(spec.model), engine.runner.vocab_size, draft_size)
     device = spec.draft_device or cfg.device
     target_cpus, draft_cpus = (None, None)
     if device == "cpu":

