@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING
 from ssd.core.block_pool import BlockPool
 from ssd.core.kv_cache_manager import KVCacheManager, cdiv
 from ssd.executor.model_runner import ModelRunner
+from ssd.models.draft_vocab import DraftVocab
+from ssd.models.loader import load_arch_config
+from ssd.spec.drafting import DraftDistribution
 from ssd.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -38,6 +41,13 @@ def check_vocabularies(target: Tokenizer, draft: Tokenizer, target_vocab: int, d
     return usable
 
 
+def check_draft_vocabulary(engine: "LLMEngine", draft_path: str) -> int:
+    """Token ids both models can produce, read from the draft folder's tokenizer and config only."""
+    draft_vocab = DraftVocab.load(draft_path)
+    size = draft_vocab.target_vocab_size if draft_vocab is not None else load_arch_config(draft_path).vocab_size
+    return check_vocabularies(engine.tokenizer, Tokenizer(draft_path), engine.runner.vocab_size, size)
+
+
 def draft_num_blocks(engine: "LLMEngine", extra_tokens_per_seq: int) -> int:
     """Enough draft blocks to never run out before the target does (own scratch per running sequence)."""
     cfg = engine.config
@@ -47,8 +57,7 @@ def draft_num_blocks(engine: "LLMEngine", extra_tokens_per_seq: int) -> int:
 def load_draft_runner(engine: "LLMEngine", extra_tokens_per_seq: int) -> tuple[ModelRunner, KVCacheManager, int]:
     spec = engine.spec
     cfg = engine.config
-    draft_tokenizer = Tokenizer(spec.model)
-    probe_blocks = draft_num_blocks(engine, extra_tokens_per_seq)
+    usable = check_draft_vocabulary(engine, spec.model)  # before paying for loading the weights
     runner = ModelRunner(
         spec.model,
         spec.draft_dtype or cfg.dtype,
@@ -57,9 +66,8 @@ def load_draft_runner(engine: "LLMEngine", extra_tokens_per_seq: int) -> tuple[M
         engine.max_model_len,
         kv_cache_memory=None,
         kv_cache_fraction=cfg.kv_cache_fraction,
-        num_blocks=probe_blocks,
+        num_blocks=draft_num_blocks(engine, extra_tokens_per_seq),
     )
-    usable = check_vocabularies(engine.tokenizer, draft_tokenizer, engine.runner.vocab_size, runner.vocab_size)
     manager = KVCacheManager(BlockPool(runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching))
     return runner, manager, usable
 
@@ -70,7 +78,8 @@ def build_proposer(engine: "LLMEngine"):
         from ssd.spec.draft_proposer import DraftModelProposer
 
         runner, manager, usable = load_draft_runner(engine, spec.num_speculative_tokens)
-        return DraftModelProposer(runner, manager, engine.runner.vocab_size, usable, engine.default_generator)
+        distribution = DraftDistribution.for_runner(runner, engine.runner.vocab_size, usable)
+        return DraftModelProposer(runner, manager, distribution, engine.default_generator)
     if spec.method == "ssd":
         from ssd.spec.ssd.factory import build_ssd_proposer
 

@@ -6,13 +6,10 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from ssd.models.draft_vocab import DraftVocab
-from ssd.models.loader import load_arch_config
-from ssd.spec.factory import check_vocabularies, draft_num_blocks
+from ssd.spec.factory import check_draft_vocabulary, draft_num_blocks
 from ssd.spec.ssd.client import SSDProposer
 from ssd.spec.ssd.fanout import parse_fan_out
 from ssd.spec.ssd.worker import WorkerConfig
-from ssd.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from ssd.engine import LLMEngine
@@ -37,9 +34,7 @@ def build_ssd_proposer(engine: "LLMEngine") -> SSDProposer:
     K = spec.num_speculative_tokens
     # Validate everything the worker would reject before paying for a process start.
     budget = max(sum(parse_fan_out(f, K).current()) for f in (spec.fan_out, spec.fan_out_miss or spec.fan_out))
-    draft_vocab = DraftVocab.load(spec.model)
-    draft_size = draft_vocab.target_vocab_size if draft_vocab is not None else load_arch_config(spec.model).vocab_size
-    usable = check_vocabularies(engine.tokenizer, Tokenizer(spec.model), engine.runner.vocab_size, draft_size)
+    usable = check_draft_vocabulary(engine, spec.model)
     device = spec.draft_device or cfg.device
     target_cpus, draft_cpus = (None, None)
     if device == "cpu":
