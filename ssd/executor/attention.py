@@ -24,7 +24,8 @@ class AttentionMetadata:
     kv_slots: torch.Tensor  # [B, L] int64: slots each sequence reads (padding points at any valid slot)
     query_rows: torch.Tensor  # [B, Q] int64: row of the flat batch for each padded query (T = zero row)
     out_index: torch.Tensor  # [T] int64: position of each flat token in the padded [B*Q] output
-    mask: torch.Tensor | None  # [B, 1, Q, L] bool, True = may attend; None = every query sees every slot
+    mask: torch.Tensor | None  # [B, 1, Q, L] bool, True = may attend; None = one query per sequence (T == B)
+    # that sees every one of its L slots
 
     @property
     def num_tokens(self) -> int:
@@ -64,10 +65,15 @@ def paged_attention(
     keys = flat_k[meta.kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
     values = flat_v[meta.kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
 
+    gqa = num_heads != num_kv_heads
+    if meta.mask is None:  # every sequence decodes one token and reads the same number of slots
+        queries = query.unsqueeze(2)  # [B, H, 1, D]
+        out = F.scaled_dot_product_attention(queries, keys, values, scale=scale, enable_gqa=gqa)  # [B, H, 1, D]
+        return out.squeeze(2)  # [T, H, D]
     padded = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])  # [T+1, H, D]
     queries = padded[meta.query_rows].transpose(1, 2)  # [B, H, Q, D]
     out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+        queries, keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=gqa
     )  # [B, H, Q, D]
     out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [B*Q, H, D]
     return out[meta.out_index]  # [T, H, D]
