@@ -23,6 +23,7 @@ from ssd.core.scheduler import Scheduler, SchedulerConfig, SequenceTooLongError
 from ssd.core.sequence import FinishReason, Sequence, SequenceStatus
 from ssd.executor.model_runner import ModelRunner
 from ssd.executor.step_executor import RowContext, StepExecutor, StepResult
+from ssd.models.loader import load_arch_config
 from ssd.outputs import RequestMetrics, RequestOutput, SpecStats, TokenLogprob
 from ssd.sample.sampler import make_generator
 from ssd.sampling_params import SamplingParams
@@ -62,6 +63,7 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = torch.device(config.device)
+        load_arch_config(config.model)  # a missing folder or broken config.json is reported as such, first
         self.tokenizer = Tokenizer(config.tokenizer or config.model)
         self.runner = ModelRunner(
             config.model,
@@ -261,6 +263,8 @@ class LLMEngine:
                 if request.logprobs is not None and logprobs is not None:
                     request.logprobs.append(logprobs[i])
                 reason = self._check_stop(request, token)
+                if reason is None and i + 1 < len(new_tokens) and request.detokenizer.finds_stop(seq.output_token_ids):
+                    reason = FinishReason.STOP  # a stop string ends mid-round: drop the rest, as plain decoding would
                 if reason is not None:
                     break
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
@@ -292,7 +296,7 @@ class LLMEngine:
 
     def _finish_or_report(self, request: Request, reason: FinishReason | None, now: float) -> RequestOutput:
         seq = request.seq
-        new_text, stopped = request.detokenizer.update(self._visible_output(request, reason))
+        new_text, stopped = request.detokenizer.update(self._visible_output(request, reason), reason is not None)
         if stopped and reason is None:
             reason = FinishReason.STOP
         if reason is not None:
