@@ -103,7 +103,7 @@ class SSDProposer:
             logger.error("SSD draft worker unavailable (%s); continuing without speculation", reason)
         self.available = False
         self.failure = reason
-        self._stop_process()
+        self._stop_process(graceful=False)
 
     # ------------------------------------------------------------------ proposer interface
     def prepare(self, seqs: list[Sequence]) -> None:
@@ -217,17 +217,21 @@ class SSDProposer:
                 pass
         self._stop_process()
 
-    def _stop_process(self) -> None:
+    def _stop_process(self, graceful: bool = True) -> None:
+        """``graceful``: the worker was told to shut down, so give it time to exit. A failed worker (dead,
+        hung, stopped) is killed at once: waiting would only stall the engine, and SIGTERM stays pending
+        on a stopped process."""
         process, self._process = self._process, None
         if process is None:
             return
-        process.join(timeout=5)
-        if process.is_alive():
-            process.terminate()
+        if graceful:
             process.join(timeout=5)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=5)
         if process.is_alive():
             process.kill()
-            process.join()
+        process.join()
         self._conn.close()
 
     @property

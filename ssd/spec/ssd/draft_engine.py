@@ -114,7 +114,7 @@ class DraftEngine:
             mirror = Sequence(seq_id, list(token_ids), params)
             self.kv.allocate_prefix(mirror)
             generator = torch.Generator(device=self.runner.device)
-            generator.manual_seed(params.seed if params.seed is not None else (self.seed * 1_000_003 + seq_id))
+            generator.manual_seed(draft_seed(params.seed, self.seed, seq_id))
             state = DraftSeqState(mirror, generator)
             self.states[seq_id] = state
             todo = mirror.num_tokens - 1 - mirror.num_computed_tokens
@@ -141,6 +141,8 @@ class DraftEngine:
         for i, row in enumerate(rows):
             state = self.states[row.seq_id]
             hit = self._commit(state, row)
+            if hit is not None and len(hit.tokens) < row.num_drafts:
+                hit = None  # built after a shorter speculation and the lookahead grew back: draft afresh
             if hit is not None:
                 probs = None if hit.probs is None else hit.probs[: row.num_drafts]
                 results[i] = SpeculationResult(hit.tokens[: row.num_drafts], probs, True, None)
@@ -235,8 +237,11 @@ class DraftEngine:
             k = len(drafts)
             m = sum(state.fan_out[: k + 1])
             self._allocate(mirror, mirror.num_uncomputed_tokens + k + k * m)
-            tokens = mirror.token_ids[mirror.num_computed_tokens :] + drafts
-            items.append(ForwardItem(tokens, mirror.num_computed_tokens, mirror.block_table, k + 1))
+            # t_n always runs again: after a jit round its K/V is already valid, but the fork at k = 0 needs
+            # the distribution after it (K+1 logits from K tokens would read another row).
+            start = min(mirror.num_computed_tokens, mirror.num_tokens - 1)
+            tokens = mirror.token_ids[start:] + drafts
+            items.append(ForwardItem(tokens, start, mirror.block_table, k + 1))
         logits = self.runner.forward(items)  # [sum(K+1), Vd]
         out, offset = [], 0
         for state in states:
@@ -284,7 +289,7 @@ class DraftEngine:
                 m = len(branches[i])
                 params.extend([states[i].mirror.sampling_params] * m)
                 generators.extend([states[i].generator] * m)
-                scaled.extend([_at(states[i].fan_out, j + 1)] * m)
+                scaled.extend([_at(states[i].fan_out, j)] * m)
             probs = self.dist.probs(logits, params)  # [sum M, V]
             probs = self._saguaro(probs, logits, params, scaled)
             st = SamplingTensors.from_params(params, logits.device)
@@ -329,9 +334,11 @@ class DraftEngine:
             return probs
         masked = self.dist.masked_logits(logits)  # [N, V]
         top = torch.topk(masked, min(width, masked.shape[-1]), dim=-1).indices  # [N, F]
-        keep = torch.arange(top.shape[1], device=top.device)[None, :] < torch.tensor(num_scaled, device=top.device)[:, None]
+        counts = torch.tensor(num_scaled, device=top.device)  # [N]
+        keep = torch.arange(top.shape[1], device=top.device)[None, :] < counts[:, None]  # [N, F]
         top = torch.where(keep, top, top[:, :1])  # rows scaling fewer candidates repeat their first one
-        return saguaro_scale(probs, top, self.saguaro_c)
+        scaled = saguaro_scale(probs, top, self.saguaro_c)  # [N, V]
+        return torch.where((counts > 0)[:, None], scaled, probs)  # a row with no candidates keeps q
 
     def _saguaro_jit(self, step: int, rows: list[int], logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         params = [self._jit_states[i].mirror.sampling_params for i in rows]
@@ -341,6 +348,19 @@ class DraftEngine:
         if not self.kv.allocate_slots(mirror, num_tokens):
             raise RuntimeError("draft KV cache exhausted; it is sized to never run out before the target's")
 
+
+
+def draft_seed(request_seed: int | None, engine_seed: int, seq_id: int) -> int:
+    """The seed of a sequence's draft generator, chosen so it never replays the target's random stream.
+
+    The target seeds a request's generator with the request's seed (unseeded requests share one seeded with
+    the engine seed). Reusing that seed here would make the draft's j-th draw equal the target's j-th
+    uniform, e.g. the acceptance test of the previous draft, which correlates drafts with their own
+    verification and biases the output distribution. An odd-multiplier affine map of 2**64 (a bijection)
+    keeps distinct sequences on distinct seeds.
+    """
+    base = request_seed if request_seed is not None else engine_seed * 1_000_003 + seq_id
+    return (base * 6364136223846793005 + 1442695040888963407) % 2**64
 
 
 def _at(values: list[int], index: int) -> int:

@@ -1,0 +1,118 @@
+"""Helpers for the SSD tests: draft checkpoints derived from a target, exact sampling references, chi-square.
+
+A draft made by ``make_perturbed_draft`` shares the target's config and tokenizer and has weights
+``w + sigma * std(w) * noise``: small ``sigma`` gives partial acceptance, so rounds see cache hits and
+misses and every acceptance length k. Exact references enumerate the target's processed distribution over
+a small support (top-k sampling), so sampled outputs can be tested against true probabilities.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from scipy import stats
+
+from model_utils import PagedSession
+from ssd.models.loader import load_model
+from ssd.sample.sampler import SamplingTensors, processed_probs
+from ssd.sampling_params import SamplingParams
+
+WEIGHTS = "model.safetensors"
+
+
+def make_perturbed_draft(target: Path, dst: Path, sigma: float, seed: int = 1) -> Path:
+    """Copy ``target`` (config + tokenizer) to ``dst`` with every weight tensor perturbed by relative noise."""
+    dst = Path(dst)
+    shutil.copytree(target, dst, dirs_exist_ok=True)
+    weights = load_file(Path(target) / WEIGHTS)
+    gen = torch.Generator().manual_seed(seed)
+    noisy = {}
+    for name in sorted(weights):
+        w = weights[name]
+        noise = torch.randn(w.shape, generator=gen, dtype=torch.float32)
+        noisy[name] = (w.float() + sigma * w.float().std() * noise).to(w.dtype).contiguous()
+    save_file(noisy, dst / WEIGHTS, metadata={"format": "pt"})
+    return dst
+
+
+def make_corrupt_checkpoint(target: Path, dst: Path) -> Path:
+    """Config and tokenizer of ``target`` intact, weights file garbage: fails only when the weights load."""
+    dst = Path(dst)
+    shutil.copytree(target, dst, dirs_exist_ok=True)
+    (dst / WEIGHTS).write_bytes(b"\x07not a safetensors file" * 64)
+    return dst
+
+
+@dataclass
+class ExactJoint:
+    """P(first n generated tokens = path) for every path with positive probability."""
+
+    probs: dict[tuple[int, ...], float]
+
+
+@torch.inference_mode()
+def exact_joint(model_path: Path, prompt: list[int], num_tokens: int, params: SamplingParams) -> ExactJoint:
+    """Enumerate the target's processed distribution (temperature, top-k, top-p) over ``num_tokens`` steps.
+
+    Only practical when the support per step is tiny (e.g. top_k=2): the tree has support**num_tokens leaves.
+    """
+    model, _ = load_model(str(model_path), dtype=torch.float32, device=torch.device("cpu"))
+    model.eval()
+    st = SamplingTensors.from_params([params], "cpu")
+    frontier: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(num_tokens):
+        nxt: dict[tuple[int, ...], float] = {}
+        for path, mass in frontier.items():
+            tokens = prompt + list(path)
+            session = PagedSession(model, num_blocks=(len(tokens) // 4) + 2, block_size=4)
+            logits = session.step({0: tokens})[0][-1:]  # [1, V]
+            probs = processed_probs(logits, st)[0].double()  # [V]
+            for token in torch.nonzero(probs > 0).flatten().tolist():
+                nxt[path + (token,)] = mass * float(probs[token])
+        frontier = nxt
+    return ExactJoint(frontier)
+
+
+@dataclass
+class ChiSquare:
+    statistic: float
+    df: int
+    p_value: float
+
+
+def chi_square_gof(samples: list[tuple[int, ...]], exact: ExactJoint, min_expected: float = 5.0) -> ChiSquare:
+    """Pearson goodness of fit of observed paths against exact probabilities.
+
+    Cells expected below ``min_expected`` are pooled (with any path the reference says is impossible), so
+    the chi-square approximation holds; an impossible path that occurs makes the statistic infinite.
+    """
+    n = len(samples)
+    counts = Counter(samples)
+    impossible = sum(c for path, c in counts.items() if path not in exact.probs)
+    if impossible:
+        return ChiSquare(math.inf, 0, 0.0)
+    observed, expected = [], []
+    pooled_obs, pooled_exp = 0, 0.0
+    for path, p in exact.probs.items():
+        if n * p >= min_expected:
+            observed.append(counts.get(path, 0))
+            expected.append(n * p)
+        else:
+            pooled_obs += counts.get(path, 0)
+            pooled_exp += n * p
+    if pooled_exp >= min_expected or (pooled_exp > 0 and not expected):
+        observed.append(pooled_obs)
+        expected.append(pooled_exp)
+    elif pooled_exp > 0:  # still too small on its own: fold it into the smallest cell
+        smallest = min(range(len(expected)), key=expected.__getitem__)
+        observed[smallest] += pooled_obs
+        expected[smallest] += pooled_exp
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    df = len(observed) - 1
+    return ChiSquare(statistic, df, float(stats.chi2.sf(statistic, df)))

@@ -1,0 +1,338 @@
+"""SSD end to end (draft in its own process): exact greedy tokens, exact sampling, draft = target, faults.
+
+Exactness is the product: whatever the lookahead, fan-out, fallback, batch, prefix-cache reuse or
+preemption, SSD must emit plain autoregressive decoding's greedy tokens, and its samples must follow the
+target's processed distribution. The draft is a slightly perturbed copy of the target (``SIGMA`` below), so
+rounds accept partially: cache hits, misses and every acceptance length occur. Each SSD engine costs a
+process start, so one engine serves all the checks of its configuration.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from ssd import LLM, SamplingParams
+from ssd_utils import ExactJoint, chi_square_gof, exact_joint, make_corrupt_checkpoint, make_perturbed_draft
+
+BLOCK = 16
+MAX_LEN = 160
+SIGMA = 0.04  # relative weight noise of the draft: about 40-60% of drafts accepted
+SHARED = 40  # tokens of the prefix shared by two prompts
+BASE = dict(dtype="float32", block_size=BLOCK, max_model_len=MAX_LEN, seed=0)
+
+
+def _prompts() -> list[list[int]]:
+    """Mixed lengths around block boundaries; prompts 6 and 7 share a 40-token prefix."""
+    gen = torch.Generator().manual_seed(4321)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(3, 500, (n,), generator=gen).tolist()
+
+    shared = rand(SHARED)
+    return [rand(1), rand(3), rand(8), rand(16), rand(17), rand(31), shared + rand(5), shared + rand(9), rand(70)]
+
+
+PROMPTS = _prompts()
+# Different lengths: near its end a request gets fewer than K drafts (lookahead clamped to its budget).
+GREEDY = [SamplingParams(temperature=0.0, max_tokens=20 + 4 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+
+
+@dataclass
+class Models:
+    target: Path
+    draft: Path
+    corrupt: Path
+    expected: list[list[int]]  # plain AR greedy continuation of each prompt (GREEDY options)
+    bytes_per_block: int
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint_factory, tmp_path_factory) -> Models:
+    target = checkpoint_factory()
+    root = tmp_path_factory.mktemp("ssd_drafts")
+    draft = make_perturbed_draft(target, root / "draft", SIGMA)
+    corrupt = make_corrupt_checkpoint(target, root / "corrupt")
+    with LLM(str(target), kv_cache_memory="16MiB", **BASE) as ar:
+        outputs = ar.generate(PROMPTS, GREEDY)
+        bpb = ar.engine.runner.bytes_per_block()
+    return Models(target, draft, corrupt, [o.token_ids for o in outputs], bpb)
+
+
+def _ssd(models: Models, draft: Path | None = None, kv_blocks: int | None = None, max_num_seqs: int = 8,
+         max_num_batched_tokens: int = 2048, **spec) -> LLM:
+    memory = "16MiB" if kv_blocks is None else kv_blocks * models.bytes_per_block
+    return LLM(
+        str(models.target),
+        kv_cache_memory=memory,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        speculative_config={"method": "ssd", "model": str(draft or models.draft), **spec},
+        **BASE,
+    )
+
+
+def _assert_greedy(outputs, models: Models, indices) -> None:
+    assert len(outputs) == len(indices)
+    for out, i in zip(outputs, indices):
+        assert out.prompt_token_ids == PROMPTS[i]
+        assert out.token_ids == models.expected[i], f"prompt {i} (length {len(PROMPTS[i])}) differs from AR"
+        assert out.finish_reason == "length"
+
+
+def _no_children_after_shutdown(llm: LLM, pid: int | None) -> None:
+    llm.shutdown()
+    assert llm.engine.proposer is None
+    assert not [p for p in multiprocessing.active_children() if p.name == "ssd-draft" or p.pid == pid]
+    if pid is not None:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # reaped, not a zombie
+
+
+# ------------------------------------------------------------------------------------------------
+# greedy: token for token equal to plain AR decoding
+
+GREEDY_CONFIGS = {
+    "K1-fanout1-jit": dict(num_speculative_tokens=1, fan_out=1, fallback="jit"),
+    "K3-fanout2-random": dict(num_speculative_tokens=3, fan_out=2, fallback="random"),
+    "K5-list-auto-chunked": dict(
+        num_speculative_tokens=5, fan_out=[3, 2, 1, 1, 1, 2], fan_out_miss=[4, 1, 0, 0, 0, 1], fallback="auto",
+        max_num_batched_tokens=24,
+    ),
+    "K3-auto-jit-preempt": dict(num_speculative_tokens=3, fan_out="auto", fallback="jit", kv_blocks=12),
+    "K5-auto-random-preempt": dict(num_speculative_tokens=5, fan_out="auto", fallback="random", kv_blocks=14),
+}
+ALLOWED_FALLBACKS = {"jit": {"jit"}, "random": {"random"}, "auto": {"jit", "random"}}
+
+
+@pytest.mark.parametrize("name", list(GREEDY_CONFIGS))
+def test_greedy_equals_autoregressive(models, name):
+    """Batch 1, then the whole set (batches up to 8 with requests joining as others finish), then the
+    prompts longer than a block again (prefix-cache hits on target and draft). Every token equals plain
+    AR decoding."""
+    config = dict(GREEDY_CONFIGS[name])
+    K = config["num_speculative_tokens"]
+    preempt = "kv_blocks" in config
+    with _ssd(models, **config) as llm:
+        assert llm.engine.proposer.available, llm.engine.proposer.failure
+        all_outputs = []
+        for indices in ([5], list(range(len(PROMPTS))), [4, 5, 6, 7, 8]):
+            outputs = llm.generate([PROMPTS[i] for i in indices], [GREEDY[i] for i in indices])
+            _assert_greedy(outputs, models, indices)
+            all_outputs.extend(outputs)
+        assert all(o.speculation == "ssd" for o in all_outputs)
+        # the last run reused cached prefixes (all of them, unless the tiny pool evicted some)
+        cached = [o.metrics.num_cached_prompt_tokens for o in outputs]
+        assert sum(cached) > 0 if preempt else min(cached) >= BLOCK
+        if preempt:
+            assert sum(o.metrics.num_preemptions for o in all_outputs) > 0
+        assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_total_blocks
+
+        s = llm.stats
+        assert s.cache_lookups == s.num_drafts > 0  # every speculative round looked the cache up
+        assert 0 < s.cache_hits < s.cache_lookups
+        assert sum(s.fallbacks.values()) == s.cache_lookups - s.cache_hits
+        assert set(s.fallbacks) <= ALLOWED_FALLBACKS[config["fallback"]]
+        if config["fallback"] != "auto":
+            assert set(s.fallbacks) == {config["fallback"]}
+        assert 0 < s.acceptance_rate < 1
+        assert len(s.acceptance_histogram) == K + 1
+        assert s.acceptance_histogram[0] > 0 and s.acceptance_histogram[K] > 0
+        assert s.num_accepted_tokens == s.accepted_on_hit + s.accepted_on_miss
+        per_request = sum(o.spec_stats.cache_hits for o in all_outputs)
+        assert per_request == s.cache_hits
+        pid = llm.engine.proposer.pid
+        _no_children_after_shutdown(llm, pid)
+
+
+# ------------------------------------------------------------------------------------------------
+# draft = target, greedy: every round after the first hits and accepts everything
+
+
+def _full_acceptance_rounds(max_tokens: int, K: int) -> list[int]:
+    """Drafts per speculative round when every round accepts everything: from the prefill step on (the
+    prompt's last token is the first pending token), each round gets min(K, tokens left - 1) drafts and
+    emits that many + 1; with none left over the step decodes plainly."""
+    rounds, produced = [], 0
+    while produced < max_tokens:
+        n = min(K, max_tokens - produced - 1)
+        if n > 0:
+            rounds.append(n)
+        produced += n + 1
+    return rounds
+
+
+def test_draft_equal_to_target_hits_every_round_and_accepts_everything(models):
+    """Greedy with the target as its own draft: the first speculative round of each request is a miss
+    (nothing cached yet) and every later round finds its key (k = all drafts, t* = the bonus, which is the
+    draft's own top candidate); every round accepts all of its drafts, so the rounds are exactly those of
+    full acceptance (``_full_acceptance_rounds``), including the short last ones."""
+    K = 3
+    with _ssd(models, draft=models.target, num_speculative_tokens=K, fan_out=1, fallback="jit") as llm:
+        outputs = llm.generate(PROMPTS, GREEDY)
+        _assert_greedy(outputs, models, range(len(PROMPTS)))
+        for out, params in zip(outputs, GREEDY):
+            s = out.spec_stats
+            rounds = _full_acceptance_rounds(params.max_tokens, K)
+            assert s.num_drafts == len(rounds) > 1
+            assert s.num_draft_tokens == s.num_accepted_tokens == sum(rounds)
+            assert s.acceptance_histogram == [rounds.count(k) for k in range(K + 1)]
+            assert s.cache_lookups == s.num_drafts
+            assert s.cache_hits == s.cache_lookups - 1
+            assert s.fallbacks == {"jit": 1}
+            assert s.accepted_on_miss == rounds[0]
+        total = llm.stats
+        assert total.cache_hits == total.cache_lookups - len(PROMPTS)
+        assert total.num_accepted_tokens == total.num_draft_tokens
+        _no_children_after_shutdown(llm, llm.engine.proposer.pid)
+
+
+# ------------------------------------------------------------------------------------------------
+# sampling: the target's exact distribution
+
+SAMPLE_PROMPT = [17, 244, 90, 3, 411, 58]
+NUM_SAMPLES = 1500
+NUM_TOKENS = 5
+ALPHA = 1e-4  # false-failure rate of each chi-square test (for a random choice of seeds)
+WRONG_TEMPERATURE = 0.6  # a bias the test must detect: total variation 0.1 over the 32 paths
+SAMPLED = SamplingParams(temperature=1.0, top_k=2, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def exact(models) -> ExactJoint:
+    """The target's exact distribution of the first NUM_TOKENS tokens (top-k 2: 32 paths)."""
+    return exact_joint(models.target, SAMPLE_PROMPT, NUM_TOKENS, SAMPLED)
+
+
+SAMPLING_CONFIGS = {
+    "saguaro1-jit": dict(num_speculative_tokens=2, fan_out=2, fallback="jit", saguaro_c=1.0),
+    # F = 1 scales only the top token: with top-k 2 and F = 2 the whole support would be scaled (no change)
+    "saguaro0.5-jit": dict(num_speculative_tokens=2, fan_out=1, fallback="jit", saguaro_c=0.5),
+    "random-fallback": dict(num_speculative_tokens=2, fan_out=[2, 1, 1], fallback="random", saguaro_c=0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(SAMPLING_CONFIGS))
+def test_sampling_matches_the_target_distribution(models, exact, name):
+    """The first NUM_TOKENS tokens of NUM_SAMPLES seeded requests follow the target's exact joint
+    distribution (chi-square goodness of fit over 32 paths, rare ones pooled). Five tokens span the
+    prefill token, a first round served by the fallback and later rounds served by hits and misses.
+    Greedy requests share the batches and must still equal AR."""
+    config = SAMPLING_CONFIGS[name]
+    K = config["num_speculative_tokens"]
+    greedy_idx = [0, 3, 6]
+    prompts = [PROMPTS[i] for i in greedy_idx] + [SAMPLE_PROMPT] * NUM_SAMPLES
+    params = [GREEDY[i] for i in greedy_idx] + [replace(SAMPLED, seed=seed) for seed in range(NUM_SAMPLES)]
+    with _ssd(models, max_num_seqs=128, **config) as llm:
+        outputs = llm.generate(prompts, params)
+        counters = llm.stats
+        _no_children_after_shutdown(llm, llm.engine.proposer.pid)
+    _assert_greedy(outputs[: len(greedy_idx)], models, greedy_idx)
+    samples = [tuple(o.token_ids) for o in outputs[len(greedy_idx) :]]
+    assert all(o.speculation == "ssd" for o in outputs)
+    result = chi_square_gof(samples, exact)
+    assert result.df >= 10
+    assert result.p_value > ALPHA, f"{name}: chi2 = {result.statistic:.1f} on {result.df} df, p = {result.p_value:.2e}"
+    # the run covered what the test claims to cover
+    assert counters.cache_hits > 0 and counters.cache_lookups > counters.cache_hits
+    assert counters.acceptance_histogram[0] > 0 and counters.acceptance_histogram[K] > 0
+    fallback = config["fallback"]
+    assert set(counters.fallbacks) == {fallback}
+
+
+def test_chi_square_has_power(models, exact):
+    """The goodness-of-fit test can fail: NUM_SAMPLES paths drawn from the exact joint at temperature 0.6
+    instead of 1.0 are rejected, while paths drawn from the right joint pass. (Exactness bugs found so far,
+    such as drafts correlated with their own acceptance draws, were biases of this size or larger.)"""
+    gen = torch.Generator().manual_seed(0)
+
+    def draw(joint: ExactJoint) -> list[tuple[int, ...]]:
+        paths = list(joint.probs)
+        weights = torch.tensor([joint.probs[p] for p in paths], dtype=torch.float64)
+        return [paths[i] for i in torch.multinomial(weights, NUM_SAMPLES, replacement=True, generator=gen).tolist()]
+
+    assert chi_square_gof(draw(exact), exact).p_value > ALPHA
+    biased = exact_joint(models.target, SAMPLE_PROMPT, NUM_TOKENS, replace(SAMPLED, temperature=WRONG_TEMPERATURE))
+    assert chi_square_gof(draw(biased), exact).p_value < ALPHA
+
+
+# ------------------------------------------------------------------------------------------------
+# faults: a dead, broken or hung draft never changes the output
+
+
+def test_killed_draft_worker_leaves_exact_plain_decoding(models):
+    """SIGKILL the worker between two engine steps, once speculative rounds have run: every request
+    finishes with AR's tokens, the ones still running report speculation disabled, later requests are served
+    exactly without speculation, and shutdown leaves no child process."""
+    with _ssd(models, num_speculative_tokens=3, fan_out=2, fallback="jit") as llm:
+        engine = llm.engine
+        proposer = engine.proposer
+        pid = proposer.pid
+        ids = [engine.add_request(p, sp).request_id for p, sp in zip(PROMPTS, GREEDY)]
+        finished = {}
+        running_at_kill: set[str] = set()
+        while engine.has_unfinished():
+            outputs = engine.step()
+            finished.update((o.request_id, o) for o in outputs if o.finished)
+            if not running_at_kill and any(len(o.token_ids) >= 6 for o in outputs):
+                assert proposer.available
+                os.kill(pid, signal.SIGKILL)
+                running_at_kill = {r.request_id for r in engine.requests.values()}
+        _assert_greedy([finished[i] for i in ids], models, range(len(PROMPTS)))
+        assert running_at_kill
+        for request_id in ids:
+            expected = "disabled" if request_id in running_at_kill else "ssd"
+            assert finished[request_id].speculation.startswith(expected)
+        assert not proposer.available and proposer.failure
+        again = llm.generate(PROMPTS[:3], GREEDY[:3])
+        _assert_greedy(again, models, range(3))
+        assert all(o.speculation.startswith("disabled") for o in again)
+        _no_children_after_shutdown(llm, pid)
+
+
+def test_draft_that_fails_to_load_leaves_exact_plain_decoding(models):
+    """Config and tokenizer are fine (the engine accepts the draft) but the weights are garbage: the worker
+    reports its start failure and the engine serves every request exactly without speculation."""
+    with _ssd(models, draft=models.corrupt, num_speculative_tokens=3) as llm:
+        proposer = llm.engine.proposer
+        assert not proposer.available
+        assert "failed to start" in proposer.failure
+        outputs = llm.generate(PROMPTS, GREEDY)
+        _assert_greedy(outputs, models, range(len(PROMPTS)))
+        assert all(o.speculation.startswith("disabled") for o in outputs)
+        assert all(o.spec_stats.cache_hits == 0 for o in outputs)
+        _no_children_after_shutdown(llm, proposer.pid)
+
+
+def test_hung_draft_worker_times_out(models):
+    """SIGSTOP the worker: the next round waits draft_timeout_s, then the engine gives the worker up (and
+    kills it) and finishes every request exactly by plain decoding."""
+    with _ssd(models, num_speculative_tokens=3, fan_out=2, fallback="jit", draft_timeout_s=1.0) as llm:
+        proposer = llm.engine.proposer
+        pid = proposer.pid
+        finished = {}
+        stopped = False
+        try:
+            for out in llm.stream(PROMPTS, GREEDY):
+                if out.finished:
+                    finished[out.request_id] = out
+                if not stopped and len(out.token_ids) >= 6:
+                    if proposer.available:  # (a slow round may already have timed out on a loaded machine)
+                        os.kill(pid, signal.SIGSTOP)
+                    stopped = True
+        finally:
+            if proposer.available:  # the timeout never fired: do not leave a stopped process behind
+                os.kill(pid, signal.SIGKILL)
+                proposer.shutdown()
+        outputs = sorted(finished.values(), key=lambda o: int(o.request_id))
+        _assert_greedy(outputs, models, range(len(PROMPTS)))
+        assert stopped and not proposer.available
+        assert "did not answer" in proposer.failure
+        assert any(o.speculation.startswith("disabled") for o in outputs)
+        _no_children_after_shutdown(llm, pid)
