@@ -1,4 +1,4 @@
-"""``ssd`` command: generate, fetch (and later chat/serve/bench)."""
+"""``ssd`` command: generate, fetch, serve, chat."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import logging
 import sys
 import time
 
+from ssd.cli.chat import add_chat_args, cmd_chat
 from ssd.cli.common import add_engine_args, engine_kwargs, sampling_from_args
+from ssd.cli.serve import add_serve_args, cmd_serve
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -74,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--cache-dir", default=None, help="where converted models live (default: user cache)")
     fetch.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     fetch.set_defaults(func=_cmd_fetch)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_serve_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    chat = sub.add_parser("chat", help="interactive streaming chat (in-process engine or --url of a server)")
+    add_chat_args(chat)
+    chat.set_defaults(func=cmd_chat)
     return parser
 
 
