@@ -1,0 +1,210 @@
+"""Build the draft's distillation data from offline sources only.
+
+Stages (run in order; each writes one file under --out, default train/data/):
+
+* ``gen``    — the target's own greedy continuations of the prompts in train/prompts.py, produced by our
+               engine in bf16 (exactly what the draft must predict at serving time), with the target's
+               top-20 logprobs at every generated position as soft labels.
+* ``stdlib`` — chunks of the Python standard library sources on this machine, with the target's top-20
+               logprobs at every position from one fp32 forward pass (teaches the draft code in general).
+* ``vocab``  — token frequencies over both sets; the reduced draft vocabulary is the most frequent ids.
+
+Usage: python train/make_data.py gen|stdlib|vocab [--out DIR] [options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prompts import chat_prompts, code_stub_prompts  # noqa: E402
+
+logger = logging.getLogger("make_data")
+TOPK = 20
+
+
+def target_path() -> str:
+    from ssd.models.fetch import fetch_default_target
+
+    return str(fetch_default_target())
+
+
+def stage_gen(out: Path, max_tokens: int, batch: int, budget_s: float, seed: int) -> None:
+    """Greedy target continuations + top-k logprobs for every training prompt."""
+    from ssd import LLM, SamplingParams
+
+    path = target_path()
+    llm = LLM(model=path, dtype="bfloat16", kv_cache_memory="1GiB", max_num_seqs=batch)
+    tok = llm.tokenizer
+    prompts: list[list[int]] = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in chat_prompts()]
+    prompts += [tok.encode(p) for p in code_stub_prompts()]
+    random.Random(seed).shuffle(prompts)  # every chunk mixes chat, writing and code
+    logger.info("generating for %d prompts, max_tokens=%d, batch=%d", len(prompts), max_tokens, batch)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=TOPK)
+    records = []
+    t0 = time.time()
+    step = 32
+    for start in range(0, len(prompts), step):
+        outs = llm.generate(prompts[start : start + step], params)
+        for o in outs:
+            top_ids = torch.zeros(len(o.token_ids), TOPK, dtype=torch.int32)  # [T, K]
+            top_lp = torch.full((len(o.token_ids), TOPK), -1e4, dtype=torch.float16)  # [T, K]
+            for i, lp in enumerate(o.logprobs or []):
+                items = sorted((lp.top or {lp.token_id: lp.logprob}).items(), key=lambda kv: -kv[1])[:TOPK]
+                for j, (tid, val) in enumerate(items):
+                    top_ids[i, j] = tid
+                    top_lp[i, j] = max(val, -1e4)
+            records.append({"prompt": list(o.prompt_token_ids), "output": list(o.token_ids), "top_ids": top_ids, "top_lp": top_lp})
+        ntok = sum(len(r["output"]) for r in records)
+        logger.info("%d/%d prompts, %d tokens, %.0f s", len(records), len(prompts), ntok, time.time() - t0)
+        torch.save(records, out / "gen.pt")  # after every chunk: a time-boxed run keeps what it has
+        if time.time() - t0 > budget_s:
+            logger.info("time budget reached")
+            break
+    llm.shutdown()
+
+
+def stage_hfgen(out: Path, max_tokens: int, batch: int, budget_s: float, seed: int, start: int) -> None:
+    """Like ``gen`` but with transformers' batched generate in fp32 (much faster here than per-sequence
+    paged decoding under CPU contention); covers the shuffled prompts from index ``start`` on."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = target_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+               for p in chat_prompts()]
+    prompts += code_stub_prompts()
+    random.Random(seed).shuffle(prompts)
+    prompts = prompts[start:]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    records = []
+    t0 = time.time()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    for s in range(0, len(prompts), batch):
+        enc = tok(prompts[s : s + batch], return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.inference_mode():
+            res = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False, return_dict_in_generate=True,
+                                 output_logits=True, eos_token_id=eos, pad_token_id=eos)
+        width = enc["input_ids"].shape[1]
+        lp = torch.log_softmax(torch.stack(res.logits, dim=1).float(), dim=-1)  # [B, T, V]
+        val, idx = lp.topk(TOPK, dim=-1)  # [B, T, K]
+        for b in range(len(prompts[s : s + batch])):
+            mask = enc["attention_mask"][b].bool()
+            prompt = enc["input_ids"][b][mask].tolist()
+            gen = res.sequences[b, width:].tolist()
+            n = gen.index(eos) + 1 if eos in gen else len(gen)
+            records.append({"prompt": prompt, "output": gen[:n], "top_ids": idx[b, :n].to(torch.int32),
+                            "top_lp": val[b, :n].to(torch.float16)})
+        ntok = sum(len(r["output"]) for r in records)
+        logger.info("%d/%d prompts, %d tokens, %.0f s", len(records), len(prompts), ntok, time.time() - t0)
+        torch.save(records, out / "hfgen.pt")
+        if time.time() - t0 > budget_s:
+            logger.info("time budget reached")
+            break
+
+
+def stdlib_files(seed: int) -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+    random.Random(seed).shuffle(files)
+    return files
+
+
+def stage_stdlib(out: Path, num_chunks: int, chunk_len: int, seed: int, budget_s: float) -> None:
+    """Standard-library code chunks with the target's top-k logprobs (fp32 teacher forward)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = target_path()
+    tok = AutoTokenizer.from_pretrained(path)
+    chunks: list[list[int]] = []
+    rng = random.Random(seed)
+    for f in stdlib_files(seed):
+        if len(chunks) >= num_chunks:
+            break
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        ids = tok.encode(text)
+        if len(ids) < chunk_len:
+            continue
+        # At most two chunks per file so that the set spans many modules.
+        for _ in range(2):
+            s = rng.randrange(0, len(ids) - chunk_len + 1)
+            chunks.append(ids[s : s + chunk_len])
+    chunks = chunks[:num_chunks]
+    logger.info("%d stdlib chunks of %d tokens", len(chunks), chunk_len)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    records = []
+    t0 = time.time()
+    bs = 8
+    with torch.inference_mode():
+        for s in range(0, len(chunks), bs):
+            x = torch.tensor(chunks[s : s + bs])  # [B, T]
+            logits = model(input_ids=x).logits.float()  # [B, T, V]
+            lp = torch.log_softmax(logits, dim=-1)
+            val, idx = lp.topk(TOPK, dim=-1)  # [B, T, K]
+            for b in range(x.shape[0]):
+                records.append({"ids": chunks[s + b], "top_ids": idx[b].to(torch.int32), "top_lp": val[b].to(torch.float16)})
+            logger.info("%d/%d chunks, %.0f s", len(records), len(chunks), time.time() - t0)
+            if time.time() - t0 > budget_s:
+                logger.info("time budget reached")
+                break
+    torch.save(records, out / "stdlib.pt")
+
+
+def stage_vocab(out: Path) -> None:
+    """Token counts over all training data, teacher top-1 weighted most (it is what the draft must say)."""
+    counts = torch.zeros(49152, dtype=torch.float64)
+    for name in ("gen.pt", "hfgen.pt", "stdlib.pt"):
+        f = out / name
+        if not f.exists():
+            continue
+        for r in torch.load(f):
+            seq = r.get("output", r.get("ids"))
+            counts.index_add_(0, torch.tensor(seq), torch.ones(len(seq), dtype=torch.float64))
+            counts.index_add_(0, r["top_ids"][:, 0].long(), torch.full((r["top_ids"].shape[0],), 2.0, dtype=torch.float64))
+            counts.index_add_(0, r["top_ids"][:, 1:4].reshape(-1).long(), torch.full((r["top_ids"].shape[0] * 3,), 0.1, dtype=torch.float64))
+    torch.save(counts, out / "vocab_counts.pt")
+    nz = int((counts > 0).sum())
+    logger.info("%d distinct token ids seen", nz)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stage", choices=["gen", "hfgen", "stdlib", "vocab"])
+    ap.add_argument("--start", type=int, default=0, help="hfgen: first shuffled prompt to cover")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "data"))
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--num-chunks", type=int, default=400)
+    ap.add_argument("--chunk-len", type=int, default=256)
+    ap.add_argument("--budget-s", type=float, default=600.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(2)
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.stage == "gen":
+        stage_gen(out, args.max_tokens, args.batch, args.budget_s, args.seed)
+    elif args.stage == "hfgen":
+        stage_hfgen(out, args.max_tokens, args.batch, args.budget_s, args.seed, args.start)
+    elif args.stage == "stdlib":
+        stage_stdlib(out, args.num_chunks, args.chunk_len, args.seed, args.budget_s)
+    else:
+        stage_vocab(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Measure a draft with our engine: SD mean acceptance length (greedy, K=4, batch 1) and step times.
+
+Usage: python train/measure.py [--draft models/smollm2-draft] [--max-tokens 64] [--k 4]
+Prints one line per prompt set and a JSON summary at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from eval_prompts import CHAT_EVAL, CODE_EVAL  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_sd(target: str, draft: str, prompts: list, k: int, max_tokens: int) -> tuple[float, list[list[int]], float]:
+    """(mean acceptance length, outputs, wall seconds) over prompts run one at a time (batch 1)."""
+    from ssd import LLM, SamplingParams
+
+    llm = LLM(model=target, dtype="bfloat16", kv_cache_memory="512MiB",
+              speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": k})
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+    before = llm.stats.num_drafts, llm.stats.num_emitted_tokens
+    t0 = time.perf_counter()
+    outs = [llm.generate(p, params)[0].token_ids for p in prompts]
+    wall = time.perf_counter() - t0
+    drafts = llm.stats.num_drafts - before[0]
+    emitted = llm.stats.num_emitted_tokens - before[1]
+    llm.shutdown()
+    return emitted / max(drafts, 1), outs, wall
+
+
+def step_time(model: str, prompt: list[int], n: int) -> float:
+    """Seconds per decode step of `model` alone (AR, batch 1), after a warm-up."""
+    from ssd import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype="bfloat16", kv_cache_memory="512MiB")
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    t0 = time.perf_counter()
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    dt = (time.perf_counter() - t0) / n
+    llm.shutdown()
+    return dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--draft", default=str(ROOT / "models" / "smollm2-draft"))
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--num", type=int, default=10, help="prompts per set")
+    ap.add_argument("--timing", action="store_true", help="also time target and draft decode steps")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(2)
+    from ssd.models.fetch import fetch_default_target
+    from ssd.tokenizer import Tokenizer
+
+    target = str(fetch_default_target())
+    tok = Tokenizer(target)
+    sets = {
+        "humaneval_style": [tok.encode(p) for p in CODE_EVAL[: args.num]],
+        "chat": [tok.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_EVAL[: args.num]],
+    }
+    summary: dict = {"draft": args.draft, "k": args.k, "max_tokens": args.max_tokens}
+    from ssd.models.draft_vocab import DraftVocab
+
+    vocab = DraftVocab.load(args.draft)
+    known = set(vocab.draft_to_target.tolist()) if vocab is not None else None
+    for name, prompts in sets.items():
+        mal, outs, wall = run_sd(target, args.draft, prompts, args.k, args.max_tokens)
+        toks = [t for o in outs for t in o]
+        cover = sum(t in known for t in toks) / len(toks) if known is not None else 1.0
+        print(f"{name}: mean acceptance length {mal:.3f} ({wall:.1f} s, {len(toks)} tokens, "
+              f"draft vocabulary covers {cover:.4f} of them)", flush=True)
+        summary[name] = round(mal, 3)
+        summary[name + "_vocab_coverage"] = round(cover, 4)
+    if args.timing:
+        p = sets["chat"][0]
+        summary["target_step_s"] = step_time(target, p, 32)
+        summary["draft_step_s"] = step_time(args.draft, p, 32)
+        print(f"step time: target {summary['target_step_s'] * 1e3:.1f} ms, draft {summary['draft_step_s'] * 1e3:.1f} ms")
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
