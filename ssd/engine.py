@@ -92,6 +92,7 @@ class LLMEngine:
         self.default_generator.manual_seed(config.seed)
         self.spec = config.speculative_config
         self._original_affinity: set[int] | None = None
+        self._original_threads = torch.get_num_threads()
         self.proposer = self._build_proposer() if self.spec is not None else None
         self.executor = StepExecutor(self.runner, self.proposer, self.default_generator)
         self.requests: dict[int, Request] = {}
@@ -357,6 +358,7 @@ class LLMEngine:
         """Keep this (target) process on ``cpus`` so an SSD draft process gets the others; undone at shutdown."""
         if self._original_affinity is None:
             self._original_affinity = os.sched_getaffinity(0)
+            self._original_threads = torch.get_num_threads()
         os.sched_setaffinity(0, cpus)
         if self.config.num_threads is None:
             torch.set_num_threads(len(cpus))
@@ -367,6 +369,7 @@ class LLMEngine:
             self.proposer = None
         if self._original_affinity is not None:
             os.sched_setaffinity(0, self._original_affinity)
+            torch.set_num_threads(self._original_threads)
             self._original_affinity = None
 
     def __del__(self) -> None:

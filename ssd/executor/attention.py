@@ -67,9 +67,11 @@ def paged_attention(
 
     gqa = num_heads != num_kv_heads
     if meta.mask is None:  # every sequence decodes one token and reads the same number of slots
-        queries = query.unsqueeze(2)  # [B, H, 1, D]
-        out = F.scaled_dot_product_attention(queries, keys, values, scale=scale, enable_gqa=gqa)  # [B, H, 1, D]
-        return out.squeeze(2)  # [T, H, D]
+        # Pack the query heads sharing a KV head as that head's query rows: [B, Hkv, H/Hkv, D]. One plain
+        # SDPA call then covers GQA, several times faster on CPU than enable_gqa with a single query.
+        queries = query.view(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(queries, keys, values, scale=scale)  # [B, Hkv, H/Hkv, D]
+        return out.reshape(num_tokens, num_heads, head_dim)  # [T, H, D]
     padded = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])  # [T+1, H, D]
     queries = padded[meta.query_rows].transpose(1, 2)  # [B, H, Q, D]
     out = F.scaled_dot_product_attention(

@@ -233,6 +233,8 @@ def sample(
             f"{tuple(greedy.shape)}"
         )
     u = draw_uniforms(generators, [1] * n, 1, probs.device, default_generator)  # [N, 1]
+    if bool(greedy.all()):  # the draws above keep generator streams identical; the CDF is not needed
+        return probs.argmax(dim=-1)  # [N]
     sampled = sample_with_uniforms(probs, u[:, 0])  # [N]
     return torch.where(greedy.to(probs.device), probs.argmax(dim=-1), sampled)  # [N]
 
