@@ -92,6 +92,29 @@ class Reference:
         return probs
 
 
+def assert_same_processed(actual: torch.Tensor, expected: torch.Tensor, top_p: float) -> None:
+    """Equal processed distributions, allowing a top-p cut to fall on the other side of one boundary token.
+
+    The branch's q comes from a batched tree forward and the reference from a plain forward of the same text;
+    their logits differ by float rounding (~1e-6), and top-p keeps a token iff the mass above it is below
+    top_p, so a token sitting on that boundary may be kept by one and dropped by the other. Such a token must
+    be the least likely kept one (the smallest positive entry); everything else must match after
+    renormalising on the common support.
+    """
+    differ = (actual > 0) != (expected > 0)  # [V]
+    if differ.any():
+        assert top_p < 1.0, "supports differ without top-p"
+        assert int(differ.sum()) <= 2, f"supports differ on {int(differ.sum())} tokens"
+        for dist in (actual, expected):
+            extra = differ & (dist > 0)
+            if extra.any():  # the extra token is this distribution's least likely kept token
+                assert float(dist[extra].max()) <= float(dist[dist > 0].min()) + 1e-6
+        common = ~differ
+        actual = actual * common / (actual * common).sum()
+        expected = expected * common / (expected * common).sum()
+    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
+
+
 @dataclass
 class Track:
     """What the test knows about one sequence: committed text, last speculation, last fan-out built."""
@@ -213,7 +236,7 @@ class Harness:
         for j, token in enumerate(entry.tokens):
             f = track.fan_out[j] if j < len(track.fan_out) else 0
             expected = self.ref.q(text, track.params, f, self.c, row=len(prefix) - 1 + j)
-            torch.testing.assert_close(entry.probs[j], expected, atol=ATOL, rtol=0)
+            assert_same_processed(entry.probs[j], expected, track.params.top_p)
             assert entry.probs[j, token] > 0
 
     def key_at(self, seq_id: int, k: int, rank: int = 0) -> tuple[int, int]:
