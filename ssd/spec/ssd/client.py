@@ -67,6 +67,7 @@ class SSDProposer:
         self._round_ids = itertools.count()
         self._timing = _Timing()
         self._verify_started: float | None = None
+        self._probs_buffer: np.ndarray | None = None
         self._hits = 0
         self._lookups = 0
         self._drafted = 0
@@ -152,7 +153,12 @@ class SSDProposer:
 
     def _to_proposal(self, reply, requests: list[ProposalRequest]) -> Proposal:
         tokens = torch.from_numpy(reply.draft_tokens)  # [B, K]
-        probs = torch.from_numpy(reply.dense_probs(self.vocab_size))  # [B, K, V]
+        shape = (reply.batch_size, reply.draft_tokens.shape[1], self.vocab_size)
+        if self._probs_buffer is None or self._probs_buffer.shape != shape:
+            self._probs_buffer = np.empty(shape, dtype=np.float32)
+        # Reused every round (megabytes at V ~ 50k; fresh pages cost more than the copy). The proposal is
+        # consumed by verification before the next round overwrites it.
+        probs = torch.from_numpy(reply.dense_probs(self.vocab_size, out=self._probs_buffer))  # [B, K, V]
         hits = reply.hit.tolist()
         fallbacks = [None if hit else wire.FallbackKind(kind).name.lower() for hit, kind in zip(hits, reply.fallback)]
         return Proposal(tokens, probs, [r.num_drafts for r in requests], hits, fallbacks)
