@@ -13,6 +13,7 @@ starts its own draft process), so every script must guard its entry point with `
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import multiprocessing as mp
@@ -33,17 +34,16 @@ logger = logging.getLogger(__name__)
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
 
-# Chat-style prompts (short user turns, as in an assistant workload); rendered with the model's chat template.
-CHAT_PROMPTS = [
-    "Explain why the sky is blue in a few sentences.",
-    "Write a Python function that checks whether a string is a palindrome.",
-    "What are the main differences between a list and a tuple in Python?",
-    "Give me three tips for writing a good cover letter.",
-    "Summarise the plot of Romeo and Juliet.",
-    "How does a hash table work? Keep it simple.",
-    "Suggest a healthy breakfast that takes less than ten minutes to make.",
-    "What is the capital of Australia, and why is it not Sydney?",
-]
+# Chat-style prompts: the first eight held-out evaluation prompts of the draft (train/eval_prompts.py, never
+# used in its training), so benchmark numbers never reward memorised prompts; one list, kept there.
+def _load_eval_prompts():
+    spec = importlib.util.spec_from_file_location("eval_prompts", BENCH_DIR.parent / "train" / "eval_prompts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+CHAT_PROMPTS = _load_eval_prompts().CHAT_EVAL[:8]
 
 
 # ----------------------------------------------------------------------------------------------- basics

@@ -107,9 +107,9 @@ class LLMEngine:
     @property
     def spec_stats(self) -> SpecStats:
         """Engine-wide speculative counters, with the draft worker's cache-build time when it has one."""
-        proposer_stats = getattr(self.proposer, "stats", None)
-        if proposer_stats is not None:
-            self.stats.draft_build_time_s = proposer_stats.draft_build_time_s
+        build_time = getattr(self.proposer, "draft_build_time_s", None)
+        if build_time is not None:
+            self.stats.draft_build_time_s = build_time
         return self.stats
 
     # ---------------------------------------------------------------- requests
@@ -182,7 +182,7 @@ class LLMEngine:
         for seq_id, request in list(self.requests.items()):
             if request.request_id == request_id and not request.seq.is_finished:
                 self.scheduler.abort(seq_id)
-                self._release(request, FinishReason.ABORT)
+                self._release(request)
                 del self.requests[seq_id]
                 return True
         return False
@@ -303,7 +303,7 @@ class LLMEngine:
         if reason is not None:
             request.metrics.finished_time = now
             self.scheduler.finish(seq, reason)
-            self._release(request, reason)
+            self._release(request)
         output = self._make_output(request, new_text)
         if reason is not None:
             del self.requests[seq.seq_id]
@@ -320,13 +320,13 @@ class LLMEngine:
         logger.error("request %s failed: %s", request.request_id, message)
         request.seq.error = message
         self.scheduler.finish(request.seq, FinishReason.ERROR)
-        self._release(request, FinishReason.ERROR)
+        self._release(request)
         output = self._make_output(request, "")
         output.error = message
         del self.requests[request.seq.seq_id]
         return output
 
-    def _release(self, request: Request, reason: FinishReason) -> None:
+    def _release(self, request: Request) -> None:
         if self.proposer is not None:
             self.proposer.release(request.seq)
 

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from ssd.core.sequence import Sequence
-from ssd.outputs import SpecStats
 from ssd.spec.proposal import Proposal, ProposalRequest, VerifiedRound
 from ssd.spec.ssd import protocol as wire
 from ssd.spec.ssd.fanout import choose_fallback, expected_tokens_per_round
@@ -58,8 +57,7 @@ class SSDProposer:
         self.timeout_s = timeout_s
         self.vocab_size = config.target_vocab_size
         self.K = config.num_speculative_tokens
-        self.device = torch.device(config.device if config.device.startswith("cpu") else "cpu")
-        self.stats = SpecStats()
+        self.draft_build_time_s = 0.0  # total time the worker spent building speculation caches
         self.available = True
         self.failure: str | None = None
         self._told: dict[int, int] = {}  # seq_id -> tokens the worker has been sent
@@ -164,7 +162,7 @@ class SSDProposer:
         return Proposal(tokens, probs, [r.num_drafts for r in requests], hits, fallbacks)
 
     def _account(self, proposal: Proposal, reply) -> None:
-        self.stats.draft_build_time_s += reply.cache_build_s
+        self.draft_build_time_s += reply.cache_build_s
         if not all(proposal.cache_hit):
             self._timing.update("jit_s", reply.serve_s)
         for hit in proposal.cache_hit:
