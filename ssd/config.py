@@ -85,14 +85,16 @@ class EngineConfig:
     device: str = "cpu"
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 4096
     block_size: int = 16
-    kv_cache_memory: int | str | None = None  # bytes for the KV cache (target); default from kv_cache_fraction
+    kv_cache_memory: int | str | None = None  # KV cache bytes per target rank; default from kv_cache_fraction
     kv_cache_fraction: float = 0.25  # of currently available device memory, when kv_cache_memory is unset
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads for this process (CPU)
+    num_threads: int | None = None  # torch intra-op threads per target rank (CPU)
+    tensor_parallel_size: int = 1  # target ranks; rank 0 is this process, the others are spawned (or torchrun)
+    distributed_timeout_s: float = 300.0  # a collective stuck this long means a rank is gone
     speculative_config: SpeculativeConfig | dict[str, Any] | None = field(default=None)
 
     def __post_init__(self) -> None:
@@ -110,6 +112,10 @@ class EngineConfig:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if not self.distributed_timeout_s > 0:
+            raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s!r}")
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
 
 

@@ -21,6 +21,9 @@ from ssd.core.block_pool import BlockPool
 from ssd.core.kv_cache_manager import KVCacheManager
 from ssd.core.scheduler import Scheduler, SchedulerConfig, SequenceTooLongError
 from ssd.core.sequence import FinishReason, Sequence, SequenceStatus
+from ssd.distributed.launcher import TensorParallelRanks
+from ssd.distributed.layout import ProcessLayout, plan_layout
+from ssd.distributed.worker import RunnerArgs, build_runner
 from ssd.executor.model_runner import ModelRunner
 from ssd.executor.step_executor import RowContext, StepExecutor, StepResult
 from ssd.models.loader import load_arch_config
@@ -55,6 +58,19 @@ class Request:
     num_reported_chars: int = 0
 
 
+def plan_engine_layout(config: EngineConfig) -> ProcessLayout:
+    """Cores/devices of the target ranks and of an SSD draft process on CPU."""
+    spec = config.speculative_config
+    draft_on_cpu = spec is not None and spec.method == "ssd" and (spec.draft_device or config.device) == "cpu"
+    return plan_layout(
+        config.device,
+        config.tensor_parallel_size,
+        config.num_threads,
+        draft_on_cpu=draft_on_cpu,
+        draft_threads=spec.draft_threads if spec is not None else None,
+    )
+
+
 class LLMEngine:
     """Synchronous engine: call :meth:`add_request`, then :meth:`step` until :meth:`has_unfinished`."""
 
@@ -62,19 +78,21 @@ class LLMEngine:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        self.device = torch.device(config.device)
         load_arch_config(config.model)  # a missing folder or broken config.json is reported as such, first
         self.tokenizer = Tokenizer(config.tokenizer or config.model)
-        self.runner = ModelRunner(
-            config.model,
-            config.dtype,
-            self.device,
-            config.block_size,
-            config.max_model_len,
-            config.kv_cache_memory,
-            config.kv_cache_fraction,
-            max_num_seqs=config.max_num_seqs,
-        )
+        self.spec = config.speculative_config
+        self.layout = plan_engine_layout(config)
+        self.device = torch.device(self.layout.rank_devices[0])
+        self._original_affinity: set[int] | None = None
+        self._original_threads = torch.get_num_threads()
+        if self.layout.rank_cpus[0] is not None:
+            self.pin_cpus(self.layout.rank_cpus[0], self.layout.rank_threads[0])
+        self.parallel: TensorParallelRanks | None = None
+        try:
+            self.runner = self._build_runner(config)
+        except BaseException:
+            self.shutdown()
+            raise
         self.max_model_len = self.runner.max_model_len
         self.kv_manager = KVCacheManager(
             BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -90,14 +108,33 @@ class LLMEngine:
         )
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(config.seed)
-        self.spec = config.speculative_config
-        self._original_affinity: set[int] | None = None
-        self._original_threads = torch.get_num_threads()
-        self.proposer = self._build_proposer() if self.spec is not None else None
+        self.proposer = None
+        if self.spec is not None:
+            try:
+                self.proposer = self._build_proposer()
+            except BaseException:
+                self.shutdown()
+                raise
         self.executor = StepExecutor(self.runner, self.proposer, self.default_generator)
         self.requests: dict[int, Request] = {}
         self.stats = SpecStats()
         self._seq_ids = itertools.count()
+
+    def _build_runner(self, config: EngineConfig) -> ModelRunner:
+        args = RunnerArgs(
+            model=config.model,
+            dtype=config.dtype,
+            block_size=config.block_size,
+            max_model_len=config.max_model_len,
+            kv_cache_memory=config.kv_cache_memory,
+            kv_cache_fraction=config.kv_cache_fraction,
+            max_num_seqs=config.max_num_seqs,
+        )
+        if config.tensor_parallel_size > 1:
+            self.parallel = TensorParallelRanks.start(
+                args, self.layout, config.distributed_timeout_s, logging.getLogger().level
+            )
+        return build_runner(args, str(self.device), self.parallel.group if self.parallel else None)
 
     def _build_proposer(self):
         from ssd.spec.factory import build_proposer
@@ -354,19 +391,22 @@ class LLMEngine:
             speculation=request.speculation,
         )
 
-    def pin_cpus(self, cpus: list[int]) -> None:
-        """Keep this (target) process on ``cpus`` so an SSD draft process gets the others; undone at shutdown."""
+    def pin_cpus(self, cpus: list[int], num_threads: int | None = None) -> None:
+        """Keep this (driver) process on ``cpus`` so other ranks and an SSD draft process get the others;
+        undone at shutdown."""
         if self._original_affinity is None:
             self._original_affinity = os.sched_getaffinity(0)
             self._original_threads = torch.get_num_threads()
         os.sched_setaffinity(0, cpus)
-        if self.config.num_threads is None:
-            torch.set_num_threads(len(cpus))
+        torch.set_num_threads(num_threads or self.config.num_threads or len(cpus))
 
     def shutdown(self) -> None:
-        if self.proposer is not None:
+        if getattr(self, "proposer", None) is not None:
             self.proposer.shutdown()
             self.proposer = None
+        if getattr(self, "parallel", None) is not None:
+            self.parallel.shutdown()
+            self.parallel = None
         if self._original_affinity is not None:
             os.sched_setaffinity(0, self._original_affinity)
             torch.set_num_threads(self._original_threads)

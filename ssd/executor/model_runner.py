@@ -3,6 +3,10 @@
 Target and draft each have a runner (with their own block pools). The runner knows nothing about
 scheduling or sampling: it receives :class:`ForwardItem`s (which tokens, at which positions, into which
 blocks, with which mask) and returns logits for the rows the caller asked for.
+
+Under tensor parallelism every rank has a runner over its shard. The driver's runner broadcasts each
+step's items before running its own shard, so the whole group runs the same pass; worker ranks call the
+same :meth:`ModelRunner.forward` from their loop and get ``None`` back (the driver alone gets logits).
 """
 
 from __future__ import annotations
@@ -10,16 +14,21 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from ssd.distributed.commands import ForwardCommand
 from ssd.executor.attention import KVCache
 from ssd.executor.attention_layout import SequenceLayout, block_slots, build_attention_metadata
 from ssd.executor.memory import available_memory_bytes
 from ssd.models.arch import ModelArchConfig
 from ssd.models.draft_vocab import DraftVocab
 from ssd.models.loader import load_model
+
+if TYPE_CHECKING:
+    from ssd.distributed.comm import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -58,12 +67,14 @@ class ModelRunner:
         kv_cache_fraction: float,
         num_blocks: int | None = None,
         max_num_seqs: int = 16,
+        tp: "TensorParallelGroup | None" = None,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
         self.block_size = block_size
+        self.tp = tp
         start = time.perf_counter()
-        self.model, self.arch = load_model(model_path, dtype=self.dtype, device=self.device)
+        self.model, self.arch = load_model(model_path, dtype=self.dtype, device=self.device, tp=tp)
         self.model.eval()
         self.draft_vocab = DraftVocab.load(model_path)
         self._input_map = None  # target id -> model id, for drafts with a reduced vocabulary
@@ -81,8 +92,10 @@ class ModelRunner:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}"
             )
-        if num_blocks is None:
+        if num_blocks is None and (tp is None or tp.is_driver):
             num_blocks = self._plan_num_blocks(kv_cache_memory, kv_cache_fraction, max_num_seqs)
+        if tp is not None:
+            num_blocks = tp.broadcast_object(num_blocks)  # every rank's cache mirrors the driver's block pool
         self.num_blocks = num_blocks
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
 
@@ -92,9 +105,10 @@ class ModelRunner:
         return self.draft_vocab.target_vocab_size if self.draft_vocab is not None else self.arch.vocab_size
 
     def bytes_per_block(self) -> int:
+        """KV bytes of one block on this rank (its KV heads only)."""
         arch: ModelArchConfig = self.arch
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * arch.num_hidden_layers * self.block_size * arch.num_key_value_heads * arch.head_dim * element
+        return 2 * arch.num_hidden_layers * self.block_size * self.model.num_kv_heads * arch.head_dim * element
 
     def _plan_num_blocks(self, kv_cache_memory: int | None, fraction: float, max_num_seqs: int) -> int:
         needed = -(-self.max_model_len // self.block_size)
@@ -114,19 +128,21 @@ class ModelRunner:
         return int(num_blocks)
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
-        arch = self.arch
-        shape = (num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
-        return [
-            KVCache(
-                key=torch.zeros(shape, dtype=self.dtype, device=self.device),
-                value=torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(arch.num_hidden_layers)
-        ]
+        return self.model.allocate_kv_caches(num_blocks, self.block_size, self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, items: list[ForwardItem]) -> torch.Tensor:
-        """Run one forward pass; returns float32 logits ``[sum(num_logits), V]`` in item order."""
+    def forward(self, items: list[ForwardItem]) -> torch.Tensor | None:
+        """Run one forward pass; returns float32 logits ``[sum(num_logits), V]`` in item order (``None`` on
+        tensor-parallel worker ranks)."""
+        if self.tp is None or not self.tp.is_driver:
+            return self._forward(items)
+        try:
+            self.tp.broadcast_object(ForwardCommand(items))
+            return self._forward(items)
+        except RuntimeError as err:  # gloo/NCCL errors are RuntimeErrors; name the dead rank if there is one
+            raise self.tp.failure_error(err) from err
+
+    def _forward(self, items: list[ForwardItem]) -> torch.Tensor | None:
         token_ids, positions, layouts, logit_rows = [], [], [], []
         offset = 0
         for item in items:

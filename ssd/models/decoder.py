@@ -13,6 +13,7 @@ weight column-wise per shard (o_proj and down_proj are the row-wise halves).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,19 @@ from torch import nn
 
 from ssd.executor.attention import AttentionMetadata, KVCache, paged_attention
 from ssd.models.arch import ModelArchConfig, RopeScaling
+from ssd.models.parallel import (
+    RowParallelLinear,
+    SourceSlice,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    parallel_logits,
+    partition_evenly,
+    partition_heads,
+    tp_rank_size,
+)
+
+if TYPE_CHECKING:
+    from ssd.distributed.comm import TensorParallelGroup
 
 
 class RMSNorm(nn.Module):
@@ -37,13 +51,29 @@ class RMSNorm(nn.Module):
 
 
 class MergedLinear(nn.Linear):
-    """A Linear whose output rows stack several logical projections so that one GEMM serves them all."""
+    """A Linear whose output rows stack several logical projections so that one GEMM serves them all.
+
+    Under tensor parallelism it is column-parallel: ``shard_sources`` names the rows of each full checkpoint
+    tensor this rank holds (its heads, or its share of the intermediate channels), ``shard_sizes`` their
+    local sizes.
+    """
 
     def __init__(
-        self, in_features: int, shard_sizes: dict[str, int], bias: bool, dtype: torch.dtype | None = None
+        self,
+        in_features: int,
+        shard_sizes: dict[str, int],
+        bias: bool,
+        dtype: torch.dtype | None = None,
+        shard_sources: dict[str, slice] | None = None,
     ) -> None:
         super().__init__(in_features, sum(shard_sizes.values()), bias=bias, dtype=dtype)
         self.shard_sizes = dict(shard_sizes)
+        self.shard_sources = dict(shard_sources or {})
+
+    def checkpoint_slice(self, shard: str) -> SourceSlice | None:
+        """Rows of shard ``shard``'s checkpoint tensor (weight or bias) that this rank loads."""
+        rows = self.shard_sources.get(shard)
+        return None if rows is None else SourceSlice(0, rows.start, rows.stop)
 
     def shard_slice(self, name: str) -> slice:
         """Rows of the fused weight (and bias) that hold shard ``name``."""
@@ -106,16 +136,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype | None = None) -> None:
+    """Self-attention over this rank's heads (all heads without tensor parallelism)."""
+
+    def __init__(
+        self, cfg: ModelArchConfig, dtype: torch.dtype | None = None, tp: "TensorParallelGroup | None" = None
+    ) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
+        heads = partition_heads(cfg.num_attention_heads, cfg.num_key_value_heads, *tp_rank_size(tp))
+        self.num_heads = heads.num_q
+        self.num_kv_heads = heads.num_kv
+        self.head_dim = d = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        q_rows = slice(heads.q_start * d, (heads.q_start + heads.num_q) * d)
+        kv_rows = slice(heads.kv_start * d, (heads.kv_start + heads.num_kv) * d)
+        sources = None if tp is None else {"q": q_rows, "k": kv_rows, "v": kv_rows}
         self.qkv_proj = MergedLinear(
-            cfg.hidden_size, {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}, bias=cfg.qkv_bias, dtype=dtype
+            cfg.hidden_size,
+            {"q": heads.num_q * d, "k": heads.num_kv * d, "v": heads.num_kv * d},
+            bias=cfg.qkv_bias,
+            dtype=dtype,
+            shard_sources=sources,
         )
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias, dtype=dtype)
+        self.o_proj = RowParallelLinear(
+            heads.num_q * d, cfg.hidden_size, cfg.o_proj_bias, source=q_rows, tp=tp, dtype=dtype
+        )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
@@ -142,11 +186,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, dtype: torch.dtype | None = None, tp: "TensorParallelGroup | None" = None
+    ) -> None:
         super().__init__()
-        size = cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, {"gate": size, "up": size}, bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(size, cfg.hidden_size, bias=False, dtype=dtype)
+        channels = partition_evenly(cfg.intermediate_size, *tp_rank_size(tp), what="intermediate_size")
+        size = channels.stop - channels.start
+        sources = None if tp is None else {"gate": channels, "up": channels}
+        self.gate_up_proj = MergedLinear(
+            cfg.hidden_size, {"gate": size, "up": size}, bias=False, dtype=dtype, shard_sources=sources
+        )
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, source=channels, tp=tp, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
@@ -154,12 +204,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, dtype: torch.dtype | None = None, tp: "TensorParallelGroup | None" = None
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype)
+        self.self_attn = Attention(cfg, dtype, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = MLP(cfg, dtype, tp)
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, meta: AttentionMetadata
@@ -173,17 +225,22 @@ class DecoderLM(nn.Module):
 
     Parameter names follow HF's (minus the ``model.`` prefix) except for the fused ``qkv_proj`` and
     ``gate_up_proj``; with tied embeddings there is no ``lm_head`` and logits use ``embed_tokens.weight``.
+    With a tensor-parallel group ``tp`` the module holds this rank's shard only (see
+    :mod:`ssd.models.parallel`); every rank runs the same forward and the driver receives the logits.
     """
 
-    def __init__(self, cfg: ModelArchConfig, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, cfg: ModelArchConfig, dtype: torch.dtype | None = None, tp: "TensorParallelGroup | None" = None
+    ) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+            None if cfg.tie_word_embeddings else VocabParallelHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         )
 
     @property
@@ -192,7 +249,8 @@ class DecoderLM(nn.Module):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.config.num_key_value_heads
+        """KV heads held by this rank (and so in its KV cache)."""
+        return self.layers[0].self_attn.num_kv_heads if self.layers else self.config.num_key_value_heads
 
     @property
     def head_dim(self) -> int:
@@ -242,7 +300,8 @@ class DecoderLM(nn.Module):
             h = layer(h, cos, sin, cache, meta)  # [T, hidden]
         return self.norm(h)  # [T, hidden]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[N, vocab]``; callers pass only the rows they sample from to save the big GEMM."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V, hidden]
-        return F.linear(hidden, weight).float()  # [N, V]
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits ``[N, vocab]``; callers pass only the rows they sample from to save the big GEMM.
+        Under tensor parallelism only the driver gets them (``None`` on other ranks)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V(/tp), hidden]
+        return parallel_logits(hidden, weight, self.config.vocab_size, self.tp)  # [N, V]

@@ -4,6 +4,9 @@ The module is built on the meta device and materialised uninitialised, then ever
 tensor by tensor from safetensors, so peak memory stays about one model size and no time is spent on a
 random init that would be overwritten. All names are checked before any data is read: a checkpoint that
 does not match the architecture fails fast with the list of missing and unexpected tensors.
+
+Under tensor parallelism each rank reads only its slice of every split tensor (safetensors slices are read
+lazily from the file), so no rank ever materialises the full model.
 """
 
 from __future__ import annotations
@@ -12,13 +15,18 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
 from ssd.models.arch import ModelArchConfig
 from ssd.models.decoder import DecoderLM, MergedLinear
+from ssd.models.parallel import SourceSlice
 from ssd.models.registry import get_model_class
+
+if TYPE_CHECKING:
+    from ssd.distributed.comm import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -29,13 +37,27 @@ _MAX_LISTED = 20  # names listed in an error message before eliding
 
 @dataclass(frozen=True)
 class _Target:
-    """Where one checkpoint tensor goes: a parameter, or a row range of a fused parameter."""
+    """Where one checkpoint tensor goes: a parameter, or a row range of a fused parameter; ``source`` is the
+    slice of the checkpoint tensor this rank holds (``None``: all of it)."""
 
     param: torch.nn.Parameter
     rows: slice | None = None
+    source: SourceSlice | None = None
 
     def view(self) -> torch.Tensor:
-        return self.param.data if self.rows is None else self.param.data[self.rows]
+        rows = self.rows
+        if rows is None and self.source is not None and self.source.dim == 0:
+            # A vocabulary-parallel shard is padded to ceil(V / tp) rows; the last rank's tail stays zero.
+            rows = slice(0, self.source.stop - self.source.start)
+        return self.param.data if rows is None else self.param.data[rows]
+
+    def read(self, f, name: str) -> torch.Tensor:  # noqa: ANN001 - safetensors' file handle has no public type
+        if self.source is None:
+            return f.get_tensor(name)
+        lazy = f.get_slice(name)
+        if self.source.dim == 0 or len(lazy.get_shape()) == 1:
+            return lazy[self.source.start : self.source.stop]
+        return lazy[:, self.source.start : self.source.stop]
 
 
 def read_hf_config(folder: str | Path) -> dict:
@@ -67,9 +89,13 @@ def load_arch_config(folder: str | Path) -> ModelArchConfig:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    tp: "TensorParallelGroup | None" = None,
 ) -> tuple[DecoderLM, ModelArchConfig]:
-    """Build the model for the checkpoint at ``path`` and load its weights cast to ``dtype`` on ``device``."""
+    """Build the model for the checkpoint at ``path`` and load its weights cast to ``dtype`` on ``device``
+    (this rank's shard of them when ``tp`` is given)."""
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating-point torch.dtype such as torch.bfloat16, got {dtype!r}")
     folder = Path(path)
@@ -77,7 +103,7 @@ def load_model(
     files = _safetensors_files(folder)
 
     with torch.device("meta"):
-        model = get_model_class(cfg.architecture)(cfg, dtype=dtype)
+        model = get_model_class(cfg.architecture)(cfg, dtype=dtype, tp=tp)
     model.to_empty(device=device)
     model.requires_grad_(False)
 
@@ -86,8 +112,11 @@ def load_model(
     for file, names in plan.items():
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for ckpt_name, target_name in names:
-                tensor = f.get_tensor(ckpt_name)
-                dest = targets[target_name].view()
+                target = targets[target_name]
+                tensor = target.read(f, ckpt_name)
+                if target.source is not None and target.rows is None:
+                    target.param.data.zero_()  # padding rows of a vocabulary shard
+                dest = target.view()
                 if tuple(tensor.shape) != tuple(dest.shape):
                     raise ValueError(
                         f"tensor {ckpt_name} in {file} has shape {tuple(tensor.shape)}, "
@@ -129,11 +158,11 @@ def _weight_targets(model: DecoderLM) -> dict[str, _Target]:
                 parent = module_name.rsplit(".", 1)[0]
                 for shard in module.shard_sizes:
                     hf_name = f"model.{parent}.{_HF_SHARD_NAMES[shard]}.{param_name}"
-                    targets[hf_name] = _Target(param, module.shard_slice(shard))
-            elif full.startswith("lm_head."):
-                targets[full] = _Target(param)
-            else:
-                targets[f"model.{full}"] = _Target(param)
+                    targets[hf_name] = _Target(param, module.shard_slice(shard), module.checkpoint_slice(shard))
+                continue
+            source = module.checkpoint_slice(param_name) if hasattr(module, "checkpoint_slice") else None
+            name = full if full.startswith("lm_head.") else f"model.{full}"
+            targets[name] = _Target(param, source=source)
     return targets
 
 

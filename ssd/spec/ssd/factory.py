@@ -1,9 +1,9 @@
-"""Assemble the SSD proposer: size the draft's KV cache, split CPU cores, start the worker."""
+"""Assemble the SSD proposer: size the draft's KV cache, start the worker on the cores the engine's
+process layout reserved for it."""
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING
 
 from ssd.spec.factory import check_draft_vocabulary, draft_num_blocks
@@ -17,18 +17,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def split_cpus(draft_threads: int | None) -> tuple[list[int] | None, list[int] | None]:
-    """(target cores, draft cores): the draft takes the last ``draft_threads`` (default 1) of this process's
-    cores when at least two are available; otherwise both share them."""
-    if not hasattr(os, "sched_getaffinity"):
-        return None, None
-    cores = sorted(os.sched_getaffinity(0))
-    n_draft = draft_threads or 1
-    if len(cores) <= n_draft:
-        return None, None
-    return cores[:-n_draft], cores[-n_draft:]
-
-
 def build_ssd_proposer(engine: "LLMEngine") -> SSDProposer:
     spec, cfg = engine.spec, engine.config
     K = spec.num_speculative_tokens
@@ -36,11 +24,7 @@ def build_ssd_proposer(engine: "LLMEngine") -> SSDProposer:
     budget = max(sum(parse_fan_out(f, K).current()) for f in (spec.fan_out, spec.fan_out_miss or spec.fan_out))
     usable = check_draft_vocabulary(engine, spec.model)
     device = spec.draft_device or cfg.device
-    target_cpus, draft_cpus = (None, None)
-    if device == "cpu":
-        target_cpus, draft_cpus = split_cpus(spec.draft_threads)
-        if target_cpus is not None:
-            engine.pin_cpus(target_cpus)
+    draft_cpus = engine.layout.draft_cpus  # the engine placed its target ranks on the other cores
     config = WorkerConfig(
         model=spec.model,
         dtype=spec.draft_dtype or cfg.dtype,

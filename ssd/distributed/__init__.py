@@ -1,0 +1,1 @@
+"""Process groups, rank roles and process placement for tensor parallelism (see ``launcher``)."""

@@ -1,0 +1,92 @@
+"""Tensor-parallel worker rank: join the group, load this rank's shard, run forwards until told to stop.
+
+The loop mirrors the driver's :class:`~ssd.executor.model_runner.ModelRunner`: every command the driver
+broadcasts is one forward pass that all ranks run together (the collectives inside the model pair them up).
+Workers own no scheduler or sampler state, so a worker is a pure function of the command stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ssd.distributed.comm import DistributedInit, TensorParallelGroup
+from ssd.distributed.commands import ForwardCommand, ShutdownCommand
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunnerArgs:
+    """ModelRunner arguments shared by every rank (the driver's own runner uses the same values)."""
+
+    model: str
+    dtype: str
+    block_size: int
+    max_model_len: int | None
+    kv_cache_memory: int | None
+    kv_cache_fraction: float
+    max_num_seqs: int
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    runner: RunnerArgs
+    init: DistributedInit
+    device: str
+    num_threads: int | None = None
+    cpus: list[int] | None = None
+    log_level: int = logging.WARNING
+
+
+def place_process(device: str, num_threads: int | None, cpus: list[int] | None) -> None:
+    """Pin this process to its cores and thread count, or select its GPU."""
+    if cpus is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+
+
+def build_runner(args: RunnerArgs, device: str, tp: TensorParallelGroup):
+    from ssd.executor.model_runner import ModelRunner
+
+    return ModelRunner(
+        args.model,
+        args.dtype,
+        device,
+        args.block_size,
+        args.max_model_len,
+        args.kv_cache_memory,
+        args.kv_cache_fraction,
+        max_num_seqs=args.max_num_seqs,
+        tp=tp,
+    )
+
+
+def run_worker(args: WorkerArgs) -> None:
+    """Entry point of a worker rank (a spawned process, or a non-zero ``torchrun`` rank)."""
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s tp-rank{args.init.rank} %(name)s: %(message)s")
+    place_process(args.device, args.num_threads, args.cpus)
+    group = TensorParallelGroup(args.init)
+    try:
+        runner = build_runner(args.runner, args.device, group)
+        serve(runner, group)
+    finally:
+        group.destroy()
+
+
+def serve(runner, group: TensorParallelGroup) -> None:  # noqa: ANN001 - ModelRunner, imported lazily
+    """Execute the driver's commands until :class:`ShutdownCommand` (or until the driver disappears)."""
+    while True:
+        command = group.broadcast_object()
+        if isinstance(command, ShutdownCommand):
+            logger.debug("rank %d: shutdown", group.rank)
+            return
+        if not isinstance(command, ForwardCommand):
+            raise TypeError(f"tensor-parallel worker got an unknown command {type(command).__name__}")
+        runner.forward(command.items)
