@@ -121,15 +121,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
 
     def _build_runner(self, config: EngineConfig) -> ModelRunner:
-        args = RunnerArgs(
-            model=config.model,
-            dtype=config.dtype,
-            block_size=config.block_size,
-            max_model_len=config.max_model_len,
-            kv_cache_memory=config.kv_cache_memory,
-            kv_cache_fraction=config.kv_cache_fraction,
-            max_num_seqs=config.max_num_seqs,
-        )
+        args = RunnerArgs.from_config(config)
         if config.tensor_parallel_size > 1:
             self.parallel = TensorParallelRanks.start(
                 args, self.layout, config.distributed_timeout_s, logging.getLogger().level

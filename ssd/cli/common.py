@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
 from ssd.sampling_params import SamplingParams
@@ -24,7 +25,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--kv-cache-memory", default=None, help="KV cache size, e.g. 1GiB (default: share of free memory)")
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--threads", type=int, default=None, help="torch threads for the target process")
+    g.add_argument("--threads", type=int, default=None, help="torch threads per target rank")
+    g.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="target ranks; ranks 1.. are spawned on this host, or started by torchrun (see README)",
+    )
     g.add_argument("--seed", type=int, default=0)
     s = parser.add_argument_group("speculative decoding")
     s.add_argument("--draft", default=None, help="draft checkpoint folder; enables speculation")
@@ -61,6 +66,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_memory=args.kv_cache_memory,
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.threads,
+        tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed,
     )
     if args.draft:
@@ -76,6 +82,27 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             )
         kwargs["speculative_config"] = spec
     return kwargs
+
+
+def serve_as_torchrun_worker(args: argparse.Namespace) -> bool:
+    """Under ``torchrun``, ranks other than 0 become tensor-parallel workers of rank 0's engine: run that
+    loop and return True (the command itself runs on rank 0 only)."""
+    from ssd.distributed.layout import torchrun_rank
+
+    launched = torchrun_rank()
+    if launched is None or launched[0] == 0 or not hasattr(args, "tensor_parallel_size"):
+        return False
+    from ssd.config import EngineConfig
+    from ssd.distributed.launcher import run_worker_from_env
+    from ssd.distributed.worker import RunnerArgs
+    from ssd.engine import plan_engine_layout
+
+    config = EngineConfig(**engine_kwargs(args))
+    run_worker_from_env(
+        RunnerArgs.from_config(config), plan_engine_layout(config), config.distributed_timeout_s,
+        logging.getLogger().level,
+    )
+    return True
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:

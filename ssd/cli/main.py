@@ -9,7 +9,7 @@ import sys
 import time
 
 from ssd.cli.chat import add_chat_args, cmd_chat
-from ssd.cli.common import add_engine_args, engine_kwargs, sampling_from_args
+from ssd.cli.common import add_engine_args, engine_kwargs, sampling_from_args, serve_as_torchrun_worker
 from ssd.cli.serve import add_serve_args, cmd_serve
 
 
@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if serve_as_torchrun_worker(args):
+            return 0
         return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -10,11 +10,15 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ssd.distributed.comm import DistributedInit, TensorParallelGroup
 from ssd.distributed.commands import ForwardCommand, ShutdownCommand
+
+if TYPE_CHECKING:
+    from ssd.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +34,18 @@ class RunnerArgs:
     kv_cache_memory: int | None
     kv_cache_fraction: float
     max_num_seqs: int
+
+    @classmethod
+    def from_config(cls, config: "EngineConfig") -> "RunnerArgs":
+        return cls(
+            model=config.model,
+            dtype=config.dtype,
+            block_size=config.block_size,
+            max_model_len=config.max_model_len,
+            kv_cache_memory=config.kv_cache_memory,  # type: ignore[arg-type] # parsed to bytes by EngineConfig
+            kv_cache_fraction=config.kv_cache_fraction,
+            max_num_seqs=config.max_num_seqs,
+        )
 
 
 @dataclass(frozen=True)
