@@ -160,3 +160,37 @@ def test_shutdown_stops_workers(checkpoint_factory):
     processes = list(llm.engine.parallel.processes)
     llm.shutdown()
     assert processes and all(not p.is_alive() for p in processes)
+
+
+# ----------------------------------------------------------------------------------------- torchrun
+def test_torchrun_launch_matches_single_process(checkpoint_factory):
+    """Ranks from torchrun's environment variables (no spawned workers): rank 1 serves, rank 0 generates."""
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed next to this interpreter")
+    path = checkpoint_factory("llama", num_heads=4, num_kv_heads=2)
+    command = ["-m", "ssd.cli.main", "generate", "--model", str(path), "--dtype", "float32", "--threads", "1",
+               "--prompt", "def add(a, b):", "--max-tokens", "12", "--ignore-eos"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def run(args: list[str]) -> subprocess.CompletedProcess:
+        # Own process group, so a hang takes torchrun's children down with it.
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+    single = run([sys.executable, *command])
+    launched = run([torchrun, "--standalone", "--nproc-per-node", "2", *command, "-tp", "2"])
+    assert single.returncode == 0, single.stderr
+    assert launched.returncode == 0, launched.stderr
+    text = single.stdout.split("\n[")[0]  # generated text, before the "[N tokens, finish=...]" line
+    assert text.startswith("=== ") and text in launched.stdout
