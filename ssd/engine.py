@@ -237,6 +237,7 @@ class LLMEngine:
             request = self.requests[s.seq.seq_id]
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
+            self._label_speculation(request)
             contexts[s.seq.seq_id] = RowContext(
                 seq=s.seq,
                 generator=request.generator,
@@ -258,12 +259,14 @@ class LLMEngine:
     def _speculates(self, request: Request) -> bool:
         # While EOS is banned (min_tokens) the processed distribution depends on the output position; plain
         # decoding serves those few tokens so verification stays exact.
-        if self.proposer is None:
-            return False
-        if not self.proposer.available:
-            request.speculation = f"disabled: {getattr(self.proposer, 'failure', None) or 'draft unavailable'}"
+        if self.proposer is None or not self.proposer.available:
             return False
         return request.seq.num_output_tokens >= request.params.min_tokens
+
+    def _label_speculation(self, request: Request) -> None:
+        """Tell the request's outputs why it decodes without speculation once the draft has failed."""
+        if self.proposer is not None and not self.proposer.available:
+            request.speculation = f"disabled: {getattr(self.proposer, 'failure', None) or 'draft unavailable'}"
 
     def _banned_tokens(self, request: Request) -> list[int]:
         if request.seq.num_output_tokens < request.params.min_tokens:
@@ -284,7 +287,8 @@ class LLMEngine:
             if not new_tokens:
                 self.kv_manager.cache_full_blocks(seq)
                 continue
-            if request.metrics.first_token_time is None:
+            first_emission = request.metrics.first_token_time is None
+            if first_emission:
                 request.metrics.first_token_time = now
             logprobs = result.logprobs.get(seq.seq_id)
             reason = None
@@ -297,6 +301,8 @@ class LLMEngine:
                     reason = FinishReason.STOP  # a stop string ends mid-round: drop the rest, as plain decoding would
                 if reason is not None:
                     break
+            if first_emission:
+                request.metrics.num_first_step_tokens = i + 1
             seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
             self.kv_manager.cache_full_blocks(seq)
             if reason is None:

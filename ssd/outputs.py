@@ -106,6 +106,7 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_first_step_tokens: int = 0  # tokens emitted by the first emitting step (up to K + 1 with speculation)
     num_preemptions: int = 0
 
     @property
@@ -114,11 +115,14 @@ class RequestMetrics:
 
     @property
     def decode_tokens_per_s(self) -> float | None:
-        """Output tokens after the first, per second of decoding."""
-        if self.first_token_time is None or self.finished_time is None or self.num_output_tokens < 2:
+        """Output tokens emitted after the first emitting step, per second after it. The first step's tokens
+        are excluded with their time (with speculation it can emit K + 1 at once; counting them would
+        flatter SD/SSD)."""
+        if self.first_token_time is None or self.finished_time is None:
             return None
+        later = self.num_output_tokens - self.num_first_step_tokens
         elapsed = self.finished_time - self.first_token_time
-        return (self.num_output_tokens - 1) / elapsed if elapsed > 0 else None
+        return later / elapsed if later > 0 and elapsed > 0 else None
 
 
 @dataclass

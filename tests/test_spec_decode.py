@@ -204,6 +204,12 @@ def test_self_draft_accepts_every_draft(models, ar_greedy, k):
         assert stats.acceptance_histogram + [0] * (k + 1 - len(stats.acceptance_histogram)) == histogram
         assert stats.mean_acceptance_length == pytest.approx(sum(j + 1 for j in rounds) / len(rounds))
         assert rounds[:-1] == [k] * (len(rounds) - 1)
+        # The prompt's step already verifies a speculation: its tokens are left out of the decode rate.
+        assert out.metrics.num_first_step_tokens == rounds[0] + 1
+        later = out.metrics.num_output_tokens - rounds[0] - 1
+        if later > 0:
+            elapsed = out.metrics.finished_time - out.metrics.first_token_time
+            assert out.metrics.decode_tokens_per_s == pytest.approx(later / elapsed)
     assert llm.stats.acceptance_rate == 1.0
     assert_stats_consistent(llm, outputs)
 
