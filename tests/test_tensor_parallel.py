@@ -7,6 +7,7 @@ summation order (~1e-6), far below the logit gaps of the random checkpoints (see
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 
@@ -194,3 +195,11 @@ def test_torchrun_launch_matches_single_process(checkpoint_factory):
     assert launched.returncode == 0, launched.stderr
     text = single.stdout.split("\n[")[0]  # generated text, before the "[N tokens, finish=...]" line
     assert text.startswith("=== ") and text in launched.stdout
+
+
+def test_unsplittable_model_fails_fast_and_stops_workers(checkpoint_factory):
+    path = checkpoint_factory("llama", num_heads=3, num_kv_heads=3, hidden_size=48)
+    before = {p.pid for p in multiprocessing.active_children()}
+    with pytest.raises(ValueError, match="num_attention_heads=3 is not divisible by tensor_parallel_size=2"):
+        LLM(str(path), **ENGINE, tensor_parallel_size=2)
+    assert {p.pid for p in multiprocessing.active_children()} <= before

@@ -12,6 +12,7 @@ import logging
 import multiprocessing as mp
 import shutil
 import tempfile
+import threading
 from dataclasses import replace
 
 from ssd.distributed.comm import DistributedInit, TensorParallelGroup
@@ -100,14 +101,26 @@ class TensorParallelRanks:
             return
         self._closed = True
         if self.failure() is None:
-            try:
-                self.group.broadcast_object(ShutdownCommand())
-            except Exception as err:  # a rank already gone: fall through to the forced stop
-                logger.warning("could not tell tensor-parallel workers to stop: %s", err)
+            self._tell_workers_to_stop()
         _stop_processes(self.processes, grace_s=_JOIN_TIMEOUT_S)
         self.group.destroy()
         if self._store_dir is not None:
             shutil.rmtree(self._store_dir, ignore_errors=True)
+
+
+    def _tell_workers_to_stop(self) -> None:
+        """Broadcast the shutdown command, but never wait on a wedged rank longer than the join grace:
+        the broadcast runs in a daemon thread and the processes are stopped by force after it."""
+
+        def send() -> None:
+            try:
+                self.group.broadcast_object(ShutdownCommand())
+            except Exception as err:  # a rank already gone: the forced stop follows
+                logger.warning("could not tell tensor-parallel workers to stop: %s", err)
+
+        sender = threading.Thread(target=send, name="ssd-tp-shutdown", daemon=True)
+        sender.start()
+        sender.join(_JOIN_TIMEOUT_S)
 
 
 def _stop_processes(processes: list[mp.process.BaseProcess], grace_s: float) -> None:
