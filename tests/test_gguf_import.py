@@ -25,7 +25,7 @@ from safetensors.torch import load_file  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from ssd.models import fetch as fetch_mod  # noqa: E402
-from ssd.models import gguf_import  # noqa: E402
+from ssd.models import gguf_import, gguf_tensors  # noqa: E402
 from ssd.models.fetch import (  # noqa: E402
     DEFAULT_TARGET,
     WHEEL_ENV,
@@ -368,12 +368,12 @@ def test_conversion_is_atomic(
             raise RuntimeError("simulated crash")
         original(f, weight)
 
-    original = gguf_import._write_tensor_bytes
-    monkeypatch.setattr(gguf_import, "_write_tensor_bytes", crash)
+    original = gguf_tensors._write_tensor_bytes
+    monkeypatch.setattr(gguf_tensors, "_write_tensor_bytes", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
         convert_gguf(tmp_path / "tiny.gguf", parent / "out")
     assert list(parent.iterdir()) == []  # neither the target nor a staging folder is left
-    monkeypatch.setattr(gguf_import, "_write_tensor_bytes", original)
+    monkeypatch.setattr(gguf_tensors, "_write_tensor_bytes", original)
 
     out = convert_gguf(tmp_path / "tiny.gguf", parent / "out", dtype="float32")
     with pytest.raises(ValueError, match="already exists"):

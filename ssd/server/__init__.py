@@ -12,7 +12,7 @@ _EXPORTS = {
     "create_app": "ssd.server.app",
     "BackgroundServer": "ssd.server.app",
     "AsyncEngine": "ssd.server.async_engine",
-    "GenerationRequest": "ssd.server.async_engine",
+    "GenerationRequest": "ssd.server.messages",
     "ServerMetrics": "ssd.server.metrics",
 }
 

@@ -7,7 +7,7 @@ existing dashboards work after a prefix change; SSD adds its own cache lookup/hi
 
 Request-level metrics (latency histograms, token counts, finish reasons) are updated on the event-loop
 thread as requests end; engine-level ones (KV cache, queue lengths, speculative counters) are read from the
-:class:`~ssd.server.async_engine.EngineSnapshot` the engine thread publishes, so rendering never touches the
+:class:`~ssd.server.messages.EngineSnapshot` the engine thread publishes, so rendering never touches the
 engine itself (it is not thread-safe).
 """
 
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ssd.server.async_engine import EngineSnapshot, FinishedRequest
+from ssd.server.messages import EngineSnapshot, FinishedRequest
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "ssd:"
@@ -64,6 +64,11 @@ class _Family:
         return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
 
 
+def _family_lines(name: str, kind: str, help: str, samples: Iterable[tuple[Labels, float]]) -> list[str]:
+    """A counter or gauge family: header, then one line per label set."""
+    return _Family(name, kind, help).header() + [f"{name}{_format_labels(k)} {_format_value(v)}" for k, v in samples]
+
+
 @dataclass
 class Counter(_Family):
     values: dict[Labels, float] = field(default_factory=dict)
@@ -74,7 +79,7 @@ class Counter(_Family):
         self.values[labels] = self.values.get(labels, 0.0) + amount
 
     def render(self) -> list[str]:
-        return self.header() + [f"{self.name}{_format_labels(k)} {_format_value(v)}" for k, v in self.values.items()]
+        return _family_lines(self.name, self.kind, self.help, self.values.items())
 
 
 @dataclass
@@ -102,15 +107,31 @@ class Histogram(_Family):
         return lines
 
 
-def _gauge(name: str, help: str, samples: Iterable[tuple[Labels, float]]) -> list[str]:
-    family = _Family(name, "gauge", help)
-    return family.header() + [f"{name}{_format_labels(k)} {_format_value(v)}" for k, v in samples]
+@dataclass(frozen=True)
+class _RequestHistogram:
+    """A per-request histogram: its family, and the figure of a finished request it records (None: skip)."""
+
+    name: str
+    help: str
+    buckets: Sequence[float]
+    value: Callable[[FinishedRequest], float | None]
 
 
-def _counter(name: str, help: str, samples: Iterable[tuple[Labels, float]]) -> list[str]:
-    """A counter whose value is kept elsewhere (the engine's cumulative statistics)."""
-    family = _Family(name, "counter", help)
-    return family.header() + [f"{name}{_format_labels(k)} {_format_value(v)}" for k, v in samples]
+# In /metrics order. One table instead of a constructor call and an observe call per histogram.
+_REQUEST_HISTOGRAMS = (
+    _RequestHistogram("e2e_request_latency_seconds", "Time from arrival to the last token.", LATENCY_BUCKETS,
+                      lambda done: done.e2e_latency_s),
+    _RequestHistogram("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS,
+                      lambda done: done.time_to_first_token_s),
+    _RequestHistogram("time_per_output_token_seconds", "Mean time per output token after the first, per request.",
+                      TPOT_BUCKETS, lambda done: done.time_per_output_token_s),
+    _RequestHistogram("request_queue_time_seconds", "Time a request waited before it was first scheduled.",
+                      LATENCY_BUCKETS, lambda done: done.queue_time_s),
+    _RequestHistogram("request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS,
+                      lambda done: done.num_prompt_tokens),
+    _RequestHistogram("request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS,
+                      lambda done: done.num_output_tokens),
+)
 
 
 class ServerMetrics:
@@ -128,33 +149,12 @@ class ServerMetrics:
         self.http_requests = Counter(
             f"{p}http_requests_total", "counter", "HTTP requests by endpoint and status code."
         )
-        self.e2e_latency = Histogram(
-            f"{p}e2e_request_latency_seconds", "histogram", "Time from arrival to the last token.", LATENCY_BUCKETS
-        )
-        self.ttft = Histogram(
-            f"{p}time_to_first_token_seconds", "histogram", "Time from arrival to the first token.", TTFT_BUCKETS
-        )
-        self.tpot = Histogram(
-            f"{p}time_per_output_token_seconds",
-            "histogram",
-            "Mean time per output token after the first, per request.",
-            TPOT_BUCKETS,
-        )
-        self.queue_time = Histogram(
-            f"{p}request_queue_time_seconds",
-            "histogram",
-            "Time a request waited before it was first scheduled.",
-            LATENCY_BUCKETS,
-        )
-        self.prompt_tokens_hist = Histogram(
-            f"{p}request_prompt_tokens", "histogram", "Prompt tokens per request.", TOKEN_BUCKETS
-        )
-        self.generation_tokens_hist = Histogram(
-            f"{p}request_generation_tokens", "histogram", "Generated tokens per request.", TOKEN_BUCKETS
-        )
         self.overloaded = Counter(
             f"{p}request_rejected_overloaded_total", "counter", "Requests refused because the queue was full."
         )
+        self.request_histograms: list[tuple[Histogram, _RequestHistogram]] = [
+            (Histogram(f"{p}{spec.name}", "histogram", spec.help, spec.buckets), spec) for spec in _REQUEST_HISTOGRAMS
+        ]
 
     # ------------------------------------------------------------------ recording
     def observe_request(self, done: FinishedRequest) -> None:
@@ -162,15 +162,10 @@ class ServerMetrics:
         self.request_success.inc(labels + (("finished_reason", done.finish_reason),))
         self.prompt_tokens.inc(labels, done.num_prompt_tokens)
         self.generation_tokens.inc(labels, done.num_output_tokens)
-        self.prompt_tokens_hist.observe(done.num_prompt_tokens, labels)
-        self.generation_tokens_hist.observe(done.num_output_tokens, labels)
-        self.e2e_latency.observe(done.e2e_latency_s, labels)
-        if done.time_to_first_token_s is not None:
-            self.ttft.observe(done.time_to_first_token_s, labels)
-        if done.time_per_output_token_s is not None:
-            self.tpot.observe(done.time_per_output_token_s, labels)
-        if done.queue_time_s is not None:
-            self.queue_time.observe(done.queue_time_s, labels)
+        for histogram, spec in self.request_histograms:
+            value = spec.value(done)
+            if value is not None:
+                histogram.observe(value, labels)
 
     def observe_http(self, path: str, status: int) -> None:
         self.http_requests.inc(self._base + (("path", path), ("status", str(status))))
@@ -180,74 +175,57 @@ class ServerMetrics:
 
     # ------------------------------------------------------------------ rendering
     def render(self, snapshot: EngineSnapshot) -> str:
-        lines: list[str] = []
-        for family in (
-            self.request_success,
-            self.prompt_tokens,
-            self.generation_tokens,
-            self.http_requests,
-            self.overloaded,
-        ):
-            lines += family.render()
-        for hist in (
-            self.e2e_latency,
-            self.ttft,
-            self.tpot,
-            self.queue_time,
-            self.prompt_tokens_hist,
-            self.generation_tokens_hist,
-        ):
-            lines += hist.render()
+        counters = (self.request_success, self.prompt_tokens, self.generation_tokens, self.http_requests,
+                    self.overloaded)
+        families: list[Counter | Histogram] = [*counters, *(histogram for histogram, _ in self.request_histograms)]
+        lines = [line for family in families for line in family.render()]
         lines += self._render_engine(snapshot)
         return "\n".join(lines) + "\n"
 
     def _render_engine(self, s: EngineSnapshot) -> list[str]:
         p, b = PREFIX, self._base
-        lines = []
-        lines += _gauge(f"{p}num_requests_running", "Requests in the running batch.", [(b, s.num_running)])
-        lines += _gauge(f"{p}num_requests_waiting", "Requests waiting to be scheduled.", [(b, s.num_waiting)])
-        lines += _gauge(f"{p}num_requests_pending", "Requests accepted by the server and not finished.",
-                        [(b, s.num_pending)])
-        lines += _gauge(f"{p}kv_cache_usage_perc", "Fraction of target KV cache blocks in use (0-1).",
-                        [(b, s.kv_usage)])
-        lines += _gauge(f"{p}kv_cache_num_free_blocks", "Free target KV cache blocks.", [(b, s.kv_free_blocks)])
-        lines += _gauge(f"{p}kv_cache_num_total_blocks", "Target KV cache blocks.", [(b, s.kv_total_blocks)])
-        lines += _gauge(f"{p}prefix_cache_hit_rate", "Fraction of prompt blocks served from the prefix cache.",
-                        [(b, s.prefix_cache_hit_rate)])
-        lines += _gauge(f"{p}engine_steps", "Engine steps run since start.", [(b, s.num_steps)])
+        gauges: list[tuple[str, str, float]] = [
+            ("num_requests_running", "Requests in the running batch.", s.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+            ("num_requests_pending", "Requests accepted by the server and not finished.", s.num_pending),
+            ("kv_cache_usage_perc", "Fraction of target KV cache blocks in use (0-1).", s.kv_usage),
+            ("kv_cache_num_free_blocks", "Free target KV cache blocks.", s.kv_free_blocks),
+            ("kv_cache_num_total_blocks", "Target KV cache blocks.", s.kv_total_blocks),
+            ("prefix_cache_hit_rate", "Fraction of prompt blocks served from the prefix cache.",
+             s.prefix_cache_hit_rate),
+            ("engine_steps", "Engine steps run since start.", s.num_steps),
+        ]
         if s.draft_kv_total_blocks is not None:
-            lines += _gauge(f"{p}draft_kv_cache_num_free_blocks", "Free draft KV cache blocks (in-process draft).",
-                            [(b, s.draft_kv_free_blocks or 0)])
-            lines += _gauge(f"{p}draft_kv_cache_num_total_blocks", "Draft KV cache blocks (in-process draft).",
-                            [(b, s.draft_kv_total_blocks)])
+            gauges += [
+                ("draft_kv_cache_num_free_blocks", "Free draft KV cache blocks (in-process draft).",
+                 s.draft_kv_free_blocks or 0),
+                ("draft_kv_cache_num_total_blocks", "Draft KV cache blocks (in-process draft).",
+                 s.draft_kv_total_blocks),
+            ]
         if s.draft_num_sequences is not None:
-            lines += _gauge(f"{p}draft_num_sequences", "Sequences whose KV the draft holds.",
-                            [(b, s.draft_num_sequences)])
+            gauges.append(("draft_num_sequences", "Sequences whose KV the draft holds.", s.draft_num_sequences))
+        lines = []
+        for name, help, value in gauges:
+            lines += _family_lines(f"{p}{name}", "gauge", help, [(b, value)])
         spec = s.spec_stats
         if spec is None:
             return lines
-        lines += _counter(f"{p}spec_decode_num_drafts_total", "Speculative verification rounds.",
-                          [(b, spec.num_drafts)])
-        lines += _counter(f"{p}spec_decode_num_draft_tokens_total", "Draft tokens proposed.",
-                          [(b, spec.num_draft_tokens)])
-        lines += _counter(f"{p}spec_decode_num_accepted_tokens_total", "Draft tokens accepted.",
-                          [(b, spec.num_accepted_tokens)])
-        lines += _counter(f"{p}spec_decode_num_emitted_tokens_total", "Tokens emitted by speculative rounds.",
-                          [(b, spec.num_emitted_tokens)])
-        lines += _counter(
-            f"{p}spec_decode_num_accepted_tokens_per_pos_total",
-            "Accepted draft tokens by position in the speculation.",
-            [(b + (("position", str(i)),), v) for i, v in enumerate(spec.num_accepted_tokens_per_pos)],
-        )
-        lines += _counter(f"{p}spec_decode_cache_lookups_total", "SSD speculation cache lookups.",
-                          [(b, spec.cache_lookups)])
-        lines += _counter(f"{p}spec_decode_cache_hits_total", "SSD speculation cache hits.",
-                          [(b, spec.cache_hits)])
-        lines += _counter(
-            f"{p}spec_decode_fallbacks_total",
-            "SSD cache misses served by a fallback, by fallback kind.",
-            [(b + (("kind", kind),), v) for kind, v in sorted(spec.fallbacks.items())],
-        )
+        # Counters whose values the engine keeps (its cumulative speculative statistics).
+        counters: list[tuple[str, str, list[tuple[Labels, float]]]] = [
+            ("spec_decode_num_drafts_total", "Speculative verification rounds.", [(b, spec.num_drafts)]),
+            ("spec_decode_num_draft_tokens_total", "Draft tokens proposed.", [(b, spec.num_draft_tokens)]),
+            ("spec_decode_num_accepted_tokens_total", "Draft tokens accepted.", [(b, spec.num_accepted_tokens)]),
+            ("spec_decode_num_emitted_tokens_total", "Tokens emitted by speculative rounds.",
+             [(b, spec.num_emitted_tokens)]),
+            ("spec_decode_num_accepted_tokens_per_pos_total", "Accepted draft tokens by position in the speculation.",
+             [(b + (("position", str(i)),), v) for i, v in enumerate(spec.num_accepted_tokens_per_pos)]),
+            ("spec_decode_cache_lookups_total", "SSD speculation cache lookups.", [(b, spec.cache_lookups)]),
+            ("spec_decode_cache_hits_total", "SSD speculation cache hits.", [(b, spec.cache_hits)]),
+            ("spec_decode_fallbacks_total", "SSD cache misses served by a fallback, by fallback kind.",
+             [(b + (("kind", kind),), v) for kind, v in sorted(spec.fallbacks.items())]),
+        ]
+        for name, help, samples in counters:
+            lines += _family_lines(f"{p}{name}", "counter", help, samples)
         return lines
 
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ssd.outputs import SpecStats
 from ssd.sampling_params import SamplingParams
-from ssd.server.async_engine import LogprobEntry
+from ssd.server.messages import LogprobEntry
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

@@ -1,0 +1,192 @@
+"""OpenAI response bodies built from the :class:`~ssd.server.messages.StreamDelta` items of finished requests,
+and the server-sent-event streams of ``stream: true`` requests (OpenAI's chunk format, ending in ``[DONE]``).
+
+Separate from the route handlers because these are pure shape conversions (no HTTP, no engine): the usage
+block (speculative statistics merged over the choices), logprobs, finish reasons, and error events that end
+a stream whose request failed midway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ssd.outputs import SpecStats
+from ssd.server import protocol
+from ssd.server.async_engine import RequestStream
+from ssd.server.messages import EngineDeadError, StreamDelta
+from ssd.server.protocol import ApiError, ParsedRequest
+
+
+def _merged_stats(finals: list[StreamDelta]) -> SpecStats | None:
+    stats = [d.spec_stats for d in finals if d.spec_stats is not None]
+    if not stats:
+        return None
+    total = SpecStats()
+    for s in stats:
+        total.merge(s)
+    return total
+
+
+def _usage(finals: list[StreamDelta]) -> dict[str, Any]:
+    return protocol.usage_dict(
+        sum(d.num_prompt_tokens for d in finals),
+        sum(d.num_output_tokens for d in finals),
+        sum(d.num_cached_prompt_tokens for d in finals),
+        _merged_stats(finals),
+        finals[0].speculation if finals else "off",
+    )
+
+
+def completion_body(results: list[list[StreamDelta]], parsed: ParsedRequest, response_id: str,
+                     model: str) -> dict[str, Any]:
+    choices = []
+    for index, deltas in enumerate(results):
+        text = "".join(d.text for d in deltas)
+        logprobs = None
+        if parsed.logprobs:
+            logprobs = protocol.completion_logprobs([e for d in deltas for e in (d.logprobs or [])], 0)
+        choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": deltas[-1].finish_reason})
+    return {
+        "id": response_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": _usage([deltas[-1] for deltas in results]),
+    }
+
+
+def chat_body(deltas: list[StreamDelta], parsed: ParsedRequest, response_id: str, model: str) -> dict[str, Any]:
+    logprobs = None
+    if parsed.logprobs:
+        logprobs = protocol.chat_logprobs([e for d in deltas for e in (d.logprobs or [])])
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+                "logprobs": logprobs,
+                "finish_reason": deltas[-1].finish_reason,
+            }
+        ],
+        "usage": _usage([deltas[-1]]),
+    }
+
+
+def _event(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+def _stream_error(delta: StreamDelta | None, exc: BaseException | None = None) -> str:
+    message = (delta.error if delta is not None else None) or f"{type(exc).__name__}: {exc}"
+    return _event(ApiError(500, message, "server_error").to_dict())
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StreamDelta]]:
+    """Deltas of several streams as they come, tagged with the stream's index."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for delta in stream:
+                await queue.put((index, delta))
+        except Exception as exc:  # handed to the consumer
+            await queue.put(exc)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item[1].finished:
+                remaining -= 1
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def completion_events(streams: list[RequestStream], parsed: ParsedRequest, response_id: str,
+                             model: str) -> AsyncIterator[str]:
+    created = int(time.time())
+    finals: list[StreamDelta] = []
+    offsets = [0] * len(streams)
+    try:
+        async for index, delta in _merge(streams):
+            if delta.error is not None:
+                yield _stream_error(delta)
+                break
+            if not (delta.text or delta.finished or delta.logprobs):
+                continue
+            logprobs = None
+            if parsed.logprobs:
+                logprobs = protocol.completion_logprobs(delta.logprobs or [], offsets[index])
+            offsets[index] += len(delta.text)
+            chunk: dict[str, Any] = {
+                "id": response_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [{"index": index, "text": delta.text, "logprobs": logprobs,
+                             "finish_reason": delta.finish_reason if delta.finished else None}],
+            }
+            if parsed.include_usage:
+                chunk["usage"] = None
+            yield _event(chunk)
+            if delta.finished:
+                finals.append(delta)
+        else:
+            if parsed.include_usage:
+                yield _event({"id": response_id, "object": "text_completion", "created": created, "model": model,
+                              "choices": [], "usage": _usage(finals)})
+    except EngineDeadError as exc:
+        yield _stream_error(None, exc)
+    yield _event("[DONE]")
+
+
+async def chat_events(stream: RequestStream, parsed: ParsedRequest, response_id: str,
+                       model: str) -> AsyncIterator[str]:
+    created = int(time.time())
+    base = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> str:
+        data: dict[str, Any] = dict(base)
+        data["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        if parsed.include_usage:
+            data["usage"] = None
+        return _event(data)
+
+    yield chunk({"role": "assistant", "content": ""})
+    final: StreamDelta | None = None
+    try:
+        async for delta in stream:
+            if delta.error is not None:
+                yield _stream_error(delta)
+                break
+            logprobs = protocol.chat_logprobs(delta.logprobs or []) if parsed.logprobs else None
+            if delta.text or delta.logprobs:
+                yield chunk({"content": delta.text}, None, logprobs)
+            if delta.finished:
+                final = delta
+                yield chunk({}, delta.finish_reason)
+        else:
+            if parsed.include_usage and final is not None:
+                yield _event(dict(base, choices=[], usage=_usage([final])))
+    except EngineDeadError as exc:
+        yield _stream_error(None, exc)
+    yield _event("[DONE]")
