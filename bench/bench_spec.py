@@ -20,6 +20,7 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from common import (  # noqa: E402
     EngineRunner,
     HFRunner,
     WorkerSpec,
+    acceptance_histogram,
     available_cpus,
     chat_prompt_ids,
     close_workers,
@@ -45,7 +47,7 @@ from common import (  # noqa: E402
     write_json,
 )
 
-MODES = ("ar", "sd", "ssd-jit", "ssd-random")
+MODES = ("ar", "sd", "ssd-jit", "ssd-random")  # ssd-auto is available too (bench/suite.py runs it)
 LAYOUTS = ("extra-device", "same-hardware")
 
 
@@ -104,33 +106,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def placements(args: argparse.Namespace) -> tuple[dict[str, dict[str, Placement]], list[str]]:
-    """Layout -> mode -> placement, plus notes on what could not be placed as asked."""
+def placements(args: argparse.Namespace, modes: tuple[str, ...] = MODES
+               ) -> tuple[dict[str, dict[str, Placement]], list[str]]:
+    """Layout -> mode -> placement for ``modes`` (``ar``, ``sd``, ``ssd-<fallback>``), plus notes on what could
+    not be placed as asked."""
     cpus = available_cpus()
     n, t = len(cpus), args.target_threads
     layouts: dict[str, dict[str, Placement]] = {}
     notes: list[str] = []
+
+    def layout(plain_threads: int, plain_cpus: list[int], ssd_threads: int, ssd_cpus: list[int]):
+        return {mode: Placement(mode, ssd_threads, tuple(ssd_cpus)) if mode.startswith("ssd")
+                else Placement(mode, plain_threads, tuple(plain_cpus)) for mode in modes}
+
     if "extra-device" in args.layouts:
         if t + 1 > n:
             notes.append(f"extra-device layout skipped: {t} target threads + 1 draft core need {t + 1} cores, "
                          f"only {n} available")
         else:
-            layouts["extra-device"] = {
-                "ar": Placement("ar", t, tuple(cpus[:t])),
-                "sd": Placement("sd", t, tuple(cpus[:t])),
-                "ssd-jit": Placement("ssd-jit", t, tuple(cpus[: t + 1])),
-                "ssd-random": Placement("ssd-random", t, tuple(cpus[: t + 1])),
-            }
+            layouts["extra-device"] = layout(t, cpus[:t], t, cpus[: t + 1])
     if "same-hardware" in args.layouts:
         if n < 2:
             notes.append("same-hardware layout skipped: SSD needs at least 2 cores (target + draft)")
         else:
-            layouts["same-hardware"] = {
-                "ar": Placement("ar", n, tuple(cpus)),
-                "sd": Placement("sd", n, tuple(cpus)),
-                "ssd-jit": Placement("ssd-jit", n - 1, tuple(cpus)),
-                "ssd-random": Placement("ssd-random", n - 1, tuple(cpus)),
-            }
+            layouts["same-hardware"] = layout(n, cpus, n - 1, cpus)
     if {"extra-device", "same-hardware"} <= set(layouts) and n - 1 == t:
         notes.append(f"with {n} cores and --target-threads {t}, SSD is configured identically in both layouts "
                      f"(target {t} thread(s) + 1 draft core): it is measured once and reported in both")
@@ -138,13 +137,14 @@ def placements(args: argparse.Namespace) -> tuple[dict[str, dict[str, Placement]
 
 
 def speculative_config(mode: str, args: argparse.Namespace, draft: str) -> dict[str, Any] | None:
+    """The engine's ``speculative_config`` for a mode name: ``ar``, ``sd`` or ``ssd-<fallback>``."""
     if mode == "ar":
         return None
     if mode == "sd":
         return {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k}
     fallback = mode.split("-", 1)[1]
     return {"method": "ssd", "model": draft, "num_speculative_tokens": args.k, "fan_out": args.fan_out,
-            "fallback": fallback}
+            "fallback": fallback, "saguaro_c": getattr(args, "saguaro_c", 1.0)}
 
 
 def build_specs(args, target: str, draft: str, prompts, layouts) -> list[WorkerSpec]:
@@ -247,6 +247,9 @@ def run_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "cache_hit_rate": median(spec_ratio("cache_hits", "cache_lookups")),
         "fallbacks": {k.removeprefix("fallback_"): median([x["spec"].get(k) for x in runs])
                       for k in runs[0]["spec"] if k.startswith("fallback_")},
+        # rounds that accepted exactly k drafts, summed over repeats (acceptance length k + 1)
+        "acceptance_histogram": [sum(col) for col in zip_longest(*(acceptance_histogram(x["spec"]) for x in runs),
+                                                                 fillvalue=0)],
         # per verification round, in ms
         "verify_ms_per_round": per_round_ms([x["decode_forward_s"] for x in runs],
                                             [x["decode_forward_calls"] for x in runs]),

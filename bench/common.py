@@ -36,14 +36,15 @@ RESULTS_DIR = BENCH_DIR / "results"
 
 # Chat-style prompts: the first eight held-out evaluation prompts of the draft (train/eval_prompts.py, never
 # used in its training), so benchmark numbers never reward memorised prompts; one list, kept there.
-def _load_eval_prompts():
+def load_eval_prompts():
+    """The module ``train/eval_prompts.py`` (not a package: loaded from its file)."""
     spec = importlib.util.spec_from_file_location("eval_prompts", BENCH_DIR.parent / "train" / "eval_prompts.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-CHAT_PROMPTS = _load_eval_prompts().CHAT_EVAL[:8]
+CHAT_PROMPTS = load_eval_prompts().CHAT_EVAL[:8]
 
 
 # ----------------------------------------------------------------------------------------------- basics
@@ -376,6 +377,15 @@ class CallTimer:
 
 
 # ----------------------------------------------------------------------------------------------- our engine
+ACCEPT_HIST_PREFIX = "accepted_"  # spec-counter keys "accepted_<k>": rounds that accepted exactly k drafts
+
+
+def acceptance_histogram(spec: dict[str, float]) -> list[int]:
+    """Rounds per number of accepted drafts (index k) from a run's spec-counter deltas."""
+    counts = {int(key[len(ACCEPT_HIST_PREFIX):]): int(v) for key, v in spec.items() if key.startswith(ACCEPT_HIST_PREFIX)}
+    return [counts.get(k, 0) for k in range(max(counts) + 1)] if counts else []
+
+
 SPEC_COUNTERS = (
     "num_drafts",
     "num_draft_tokens",
@@ -445,10 +455,15 @@ class EngineRunner:
         fallbacks = getattr(stats, "fallbacks", {}) or {}
         for key, value in fallbacks.items():
             snap[f"fallback_{key}"] = float(value)
+        # rounds that accepted exactly k drafts (acceptance length k + 1), for histograms
+        for k, value in enumerate(getattr(stats, "acceptance_histogram", None) or []):
+            snap[f"{ACCEPT_HIST_PREFIX}{k}"] = float(value)
         return snap
 
-    def generate(self, prompts: list[list[int]], output_len: int, batch: int) -> dict[str, Any]:
-        """Greedy generation of ``output_len`` tokens per prompt, ``batch`` prompts at a time.
+    def generate(self, prompts: list[list[int]], output_len: int, batch: int, temperature: float = 0.0,
+                 seed: int | None = None) -> dict[str, Any]:
+        """Generation of ``output_len`` tokens per prompt, ``batch`` prompts at a time (greedy by default;
+        ``temperature`` > 0 samples, prompt i with seed ``seed + i`` when a seed is given).
 
         Uses ``llm.stream`` (the same step loop as ``llm.generate``) to see when each request's first tokens
         arrive. Decode throughput counts only the tokens emitted after a request's first step, over the time
@@ -457,7 +472,10 @@ class EngineRunner:
         """
         from ssd import SamplingParams
 
-        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        def params_for(index: int) -> SamplingParams:
+            return SamplingParams(max_tokens=output_len, temperature=temperature, ignore_eos=True,
+                                  seed=None if seed is None or temperature == 0 else seed + index)
+
         before = self._spec_snapshot()
         prop0, prop_calls0 = self.propose_timer.snapshot() if self.propose_timer else (0.0, 0)
         tokens: list[list[int]] = []
@@ -478,6 +496,7 @@ class EngineRunner:
             start = time.perf_counter()
             first: dict[str, tuple[float, int]] = {}  # request id -> (time, tokens) of its first output
             final: dict[str, tuple[float, list[int]]] = {}
+            params = [params_for(i + j) for j in range(len(chunk))]
             for out in self.llm.stream(chunk, params):
                 now = time.perf_counter()
                 if out.request_id not in first and out.token_ids:
@@ -620,7 +639,7 @@ class HFRunner:
         self.assistant = None
         if assistant is not None:
             # A separate copy even when assistant == model: HF keeps separate caches, as our SD does.
-            self.assistant = AutoModelForCausalLM.from_pretrained(assistant, dtype=torch_dtype).eval()
+            self.assistant = load_hf_assistant(assistant, torch_dtype)
             gc = self.assistant.generation_config
             gc.num_assistant_tokens = num_assistant_tokens  # same K as our engine ...
             gc.num_assistant_tokens_schedule = "constant"  # ... kept fixed (HF's default adapts it)
@@ -635,8 +654,10 @@ class HFRunner:
     def _count_target_call(self, module, args, output) -> None:
         self._target_calls += 1
 
-    def generate(self, prompts: list[list[int]], output_len: int, batch: int, assisted: bool = False) -> dict[str, Any]:
-        """Greedy, exactly ``output_len`` new tokens (EOS ignored via min_new_tokens), left padding for batches.
+    def generate(self, prompts: list[list[int]], output_len: int, batch: int, assisted: bool = False,
+                 temperature: float = 0.0, seed: int | None = None) -> dict[str, Any]:
+        """Exactly ``output_len`` new tokens (EOS ignored via min_new_tokens), left padding for batches; greedy
+        unless ``temperature`` > 0 (then sampled, torch seeded with ``seed + chunk index`` when a seed is given).
 
         A streamer timestamps every emission. As for our engine, decode throughput counts the tokens after
         the first emission (assisted decoding's first round already emits up to K+1) over the time after it.
@@ -682,10 +703,14 @@ class HFRunner:
                 attention_mask=mask,
                 max_new_tokens=output_len,
                 min_new_tokens=output_len,
-                do_sample=False,
+                do_sample=temperature > 0,
                 pad_token_id=self.pad_id,
                 streamer=clock,
             )
+            if temperature > 0:
+                kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
+                if seed is not None:
+                    torch.manual_seed(seed + i)
             if assisted:
                 kwargs["assistant_model"] = self.assistant
             start = time.perf_counter()
@@ -720,3 +745,42 @@ class HFRunner:
             # prompt), emitting accepted + 1 tokens: tokens per target call is HF's mean acceptance length.
             result["mean_acceptance_length"] = total / calls if calls else None
         return result
+
+
+def load_hf_assistant(path: str, torch_dtype: Any) -> Any:
+    """A ``transformers`` model for assisted generation from one of our draft folders.
+
+    A draft with a reduced vocabulary (``draft_vocab.json``, ``ssd.models.draft_vocab``) embeds and predicts
+    only a subset of the target's ids, and ``generate(assistant_model=...)`` rejects an assistant whose vocab
+    size differs from the target's (it would then need two tokenizers and retokenise text). So the model is
+    wrapped with two hooks that keep its own small head: target ids are mapped to draft ids before the
+    embedding, and the [.., Vd] logits are scattered into [.., V_target] logits with every id the draft cannot
+    produce at the dtype's minimum. Greedy drafts are then exactly our engine's (argmax over the subset);
+    sampled drafts give those ids probability 0, as our engine's q does.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ssd.models.draft_vocab import DraftVocab
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
+    vocab = DraftVocab.load(path)
+    if vocab is None:
+        return model
+    to_draft = torch.from_numpy(vocab.target_to_draft())  # [V_target]
+    known = torch.from_numpy(vocab.draft_to_target >= 0)  # [Vd]
+    columns = torch.from_numpy(vocab.draft_to_target[vocab.draft_to_target >= 0])  # [Vd - 1] target ids
+    target_vocab = vocab.target_vocab_size
+
+    def map_inputs(module, args):
+        return (to_draft[args[0]],) + tuple(args[1:])  # [B, L] target ids -> draft ids
+
+    def widen_logits(module, args, output):
+        full = output.new_full((*output.shape[:-1], target_vocab), torch.finfo(output.dtype).min)  # [B, L, V]
+        full[..., columns] = output[..., known]
+        return full
+
+    model.get_input_embeddings().register_forward_pre_hook(map_inputs)
+    model.get_output_embeddings().register_forward_hook(widen_logits)
+    model.config.get_text_config().vocab_size = target_vocab  # what generate() compares with the target's
+    return model
