@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from ssd.spec.ssd.estimator import AcceptanceEstimator, check_rate, is_int
+
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
@@ -34,27 +36,16 @@ _SNAP_EPS = 1e-9
 _TIE_DECIMALS = 9
 
 
-def _is_int(value: object) -> bool:
-    """True for real integers; bools are rejected because `True` as a fan-out is always a bug."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_lookahead(K: object) -> int:
-    if not _is_int(K) or K < 1:  # type: ignore[operator]
+    if not is_int(K) or K < 1:  # type: ignore[operator]
         raise ValueError(f"lookahead K must be an integer >= 1, got {K!r}")
     return int(K)  # type: ignore[call-overload]
 
 
 def _check_budget(budget: object) -> int:
-    if not _is_int(budget) or budget < 1:  # type: ignore[operator]
+    if not is_int(budget) or budget < 1:  # type: ignore[operator]
         raise ValueError(f"fan-out budget must be an integer >= 1 (branches per sequence), got {budget!r}")
     return int(budget)  # type: ignore[call-overload]
-
-
-def _check_rate(name: str, value: object, lo: float = 0.0, hi: float = 1.0) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (lo <= value <= hi):
-        raise ValueError(f"{name} must be a number in [{lo}, {hi}], got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -70,7 +61,7 @@ class FanOut:
                 f"a fan-out needs K + 1 >= 2 entries (F_0..F_K for lookahead K >= 1), got {list(values)}"
             )
         for k, f in enumerate(values):
-            if not _is_int(f) or f < 0:
+            if not is_int(f) or f < 0:
                 raise ValueError(f"fan-out entries must be integers >= 0, got F_{k} = {f!r}")
         if sum(values) == 0:
             raise ValueError(f"at least one fan-out entry must be > 0, got {list(values)}")
@@ -90,7 +81,7 @@ class FanOut:
 
 def acceptance_length_probs(a: float, K: int) -> list[float]:
     """P(k) for k = 0..K under the truncated geometric model; a = 0 puts all mass on k = 0, a = 1 on k = K."""
-    a = _check_rate("acceptance rate a", a)
+    a = check_rate("acceptance rate a", a)
     K = _check_lookahead(K)
     probs = [(1.0 - a) * a**k for k in range(K)]  # 0.0 ** 0 == 1.0, so a = 0 gives P(0) = 1
     probs.append(a**K)
@@ -105,7 +96,7 @@ def largest_remainder(weights: Sequence[float], total: int) -> list[int]:
     result is deterministic and, for a geometric allocation, favours shorter acceptance lengths (which
     are the more likely ones whenever their weights are equal).
     """
-    if not _is_int(total) or total < 0:
+    if not is_int(total) or total < 0:
         raise ValueError(f"total must be an integer >= 0, got {total!r}")
     if not weights or any(not math.isfinite(w) or w < 0 for w in weights):
         raise ValueError(f"weights must be a non-empty list of finite numbers >= 0, got {list(weights)}")
@@ -130,7 +121,7 @@ def geometric_fan_out(a: float, r: float, K: int, budget: int) -> list[int]:
     (every round accepts everything). r = 0 allocates in proportion to P(k); larger r flattens the
     allocation, because extra candidates at a likely k then buy little.
     """
-    a = _check_rate("acceptance rate a", a)
+    a = check_rate("acceptance rate a", a)
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 <= r < math.inf):
         raise ValueError(f"miss exponent r must be a finite number >= 0, got {r!r}")
     K = _check_lookahead(K)
@@ -142,134 +133,9 @@ def geometric_fan_out(a: float, r: float, K: int, budget: int) -> list[int]:
 
 def expected_tokens_per_round(a: float, K: int) -> float:
     """E[k + 1] under the truncated geometric model: sum_{i=0..K} a^i (= K + 1 when a = 1)."""
-    a = _check_rate("acceptance rate a", a)
+    a = check_rate("acceptance rate a", a)
     K = _check_lookahead(K)
     return math.fsum(a**i for i in range(K + 1))
-
-
-class AcceptanceEstimator:
-    """Online estimates of the acceptance rate a, the miss exponent r and the overall cache hit rate.
-
-    Acceptance rate: every drafted position that verification looked at is a Bernoulli(a) trial. A round
-    with n drafts and k accepted attempted k + 1 positions if k < n (the (k+1)-th was rejected) and n if
-    k = n, so a = accepted / attempted is the maximum-likelihood estimate under the truncated geometric
-    model. Counts start from a prior (`prior_acceptance` with weight `prior_weight` pseudo-positions) and
-    decay by `decay` per attempted position (not per round, so a long run of fully accepted rounds does
-    not outweigh the short rounds that follow it), giving a memory of roughly 1 / (1 - decay) positions:
-    the estimate follows drifts in the text and the sampling options.
-
-    Miss exponent: per fan-out F, decayed counts of lookups and hits. Under 1 - hit(F) = F^(-r),
-    log miss(F) = -r log F, a line through the origin, so r is the weighted least-squares slope
-    r = -sum n_F x_F y_F / sum n_F x_F^2 with x_F = log F, y_F = log of the smoothed miss rate
-    (misses + 1/2) / (lookups + 1), weights n_F = lookups. F = 0 (nothing prepared) and F = 1 (x = 0)
-    carry no information about r. With fewer than `min_lookups` (decayed) lookups at F >= 2, r is
-    `default_r`; the fit is clamped to `r_bounds`.
-    """
-
-    def __init__(
-        self,
-        prior_acceptance: float = 0.6,
-        prior_weight: float = 4.0,
-        decay: float = 0.998,
-        default_r: float = 1.0,
-        r_bounds: tuple[float, float] = (0.05, 5.0),
-        min_lookups: float = 32.0,
-        lookup_decay: float = 0.999,
-        prior_hit_rate: float = 0.5,
-    ) -> None:
-        prior_acceptance = _check_rate("prior_acceptance", prior_acceptance)
-        self.decay = _check_rate("decay", decay)
-        self.lookup_decay = _check_rate("lookup_decay", lookup_decay)
-        prior_hit_rate = _check_rate("prior_hit_rate", prior_hit_rate)
-        if isinstance(prior_weight, bool) or not isinstance(prior_weight, (int, float)) or not (
-            0.0 < prior_weight < math.inf
-        ):
-            raise ValueError(f"prior_weight must be a finite number > 0, got {prior_weight!r}")
-        lo, hi = r_bounds
-        if not (0.0 <= lo <= hi < math.inf):
-            raise ValueError(f"r_bounds must be (lo, hi) with 0 <= lo <= hi < inf, got {r_bounds!r}")
-        if not (lo <= default_r <= hi):
-            raise ValueError(f"default_r must lie within r_bounds {r_bounds}, got {default_r!r}")
-        if not (0.0 <= min_lookups < math.inf):
-            raise ValueError(f"min_lookups must be a finite number >= 0, got {min_lookups!r}")
-        self.default_r = float(default_r)
-        self.r_bounds = (float(lo), float(hi))
-        self.min_lookups = float(min_lookups)
-        self._accepted = prior_acceptance * prior_weight
-        self._attempted = float(prior_weight)
-        self._lookups = 1.0  # one pseudo-lookup at prior_hit_rate
-        self._hits = prior_hit_rate
-        self._per_fan_out: dict[int, list[float]] = {}  # F -> [lookups, hits], decayed
-        self._r_cache: tuple[int, float] | None = None
-        self.version = 0  # bumped on every observation, so callers can cache what they derive
-
-    def observe_round(self, num_drafts: int, num_accepted: int) -> None:
-        """Record one sequence's verified round: `num_accepted` of `num_drafts` drafts were accepted."""
-        if not _is_int(num_drafts) or num_drafts < 0:
-            raise ValueError(f"num_drafts must be an integer >= 0, got {num_drafts!r}")
-        if not _is_int(num_accepted) or not (0 <= num_accepted <= num_drafts):
-            raise ValueError(
-                f"num_accepted must be an integer in [0, num_drafts={num_drafts}], got {num_accepted!r}"
-            )
-        if num_drafts == 0:
-            return  # nothing was proposed, so nothing was tested
-        attempted = num_accepted + (1 if num_accepted < num_drafts else 0)
-        forget = self.decay**attempted
-        self._accepted = forget * self._accepted + num_accepted
-        self._attempted = forget * self._attempted + attempted
-        self.version += 1
-
-    def observe_lookup(self, fan_out_k: int, hit: bool) -> None:
-        """Record one cache lookup at acceptance length k, for which F_k = `fan_out_k` were prepared."""
-        if not _is_int(fan_out_k) or fan_out_k < 0:
-            raise ValueError(f"fan_out_k must be an integer >= 0, got {fan_out_k!r}")
-        if hit and fan_out_k == 0:
-            raise ValueError("a cache hit is impossible with fan_out_k = 0 (no candidate was prepared)")
-        d = self.lookup_decay
-        self._lookups = d * self._lookups + 1.0
-        self._hits = d * self._hits + (1.0 if hit else 0.0)
-        for counts in self._per_fan_out.values():
-            counts[0] *= d
-            counts[1] *= d
-        counts = self._per_fan_out.setdefault(fan_out_k, [0.0, 0.0])
-        counts[0] += 1.0
-        counts[1] += 1.0 if hit else 0.0
-        self.version += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self._accepted / self._attempted
-
-    @property
-    def hit_rate(self) -> float:
-        """Fraction of lookups that hit, over all fan-outs (decayed, starting from `prior_hit_rate`)."""
-        return self._hits / self._lookups
-
-    @property
-    def miss_exponent(self) -> float:
-        """r in 1 - hit(F) = F^(-r); see the class docstring for the fit."""
-        if self._r_cache is not None and self._r_cache[0] == self.version:
-            return self._r_cache[1]
-        r = self._fit_r()
-        self._r_cache = (self.version, r)
-        return r
-
-    def _fit_r(self) -> float:
-        num = 0.0
-        den = 0.0
-        informative = 0.0
-        for fan_out, (lookups, hits) in self._per_fan_out.items():
-            if fan_out < 2 or lookups <= 0.0:
-                continue
-            informative += lookups
-            miss = (lookups - hits + 0.5) / (lookups + 1.0)
-            x = math.log(fan_out)
-            num += lookups * x * math.log(miss)
-            den += lookups * x * x
-        if informative < self.min_lookups or den <= 0.0:
-            return self.default_r
-        lo, hi = self.r_bounds
-        return min(hi, max(lo, -num / den))
 
 
 class FanOutPolicy:
@@ -353,7 +219,7 @@ def parse_fan_out(
         except ValueError:
             raise ValueError(f"fan_out must be {allowed}, got {spec!r}") from None
         spec = parts[0] if len(parts) == 1 and "," not in text else parts
-    if _is_int(spec):
+    if is_int(spec):
         if spec < 1:  # type: ignore[operator]
             raise ValueError(f"a uniform fan_out must be >= 1, got {spec!r}; allowed: {allowed}")
         values = [int(spec)] * (K + 1)  # type: ignore[call-overload]
@@ -373,9 +239,9 @@ def expected_missed(batch_size: int, hit_rate: float) -> float:
 
     b (1 - p) / (1 - p^b); the limit as p -> 1 is 1 (exactly one sequence misses).
     """
-    if not _is_int(batch_size) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    hit_rate = _check_rate("hit_rate", hit_rate)
+    hit_rate = check_rate("hit_rate", hit_rate)
     if hit_rate >= 1.0:
         return 1.0
     return batch_size * (1.0 - hit_rate) / (1.0 - hit_rate**batch_size)
@@ -402,10 +268,10 @@ def choose_fallback(
     `expected_tokens_hit` defaults to `expected_tokens_jit` (a cached speculation is the same neural
     draft, prepared earlier). Ties go to "random": same throughput, and the draft worker is free sooner.
     """
-    if not _is_int(batch_size) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    hit_rate = _check_rate("hit_rate", hit_rate)
-    if num_missed is not None and (not _is_int(num_missed) or not (1 <= num_missed <= batch_size)):
+    hit_rate = check_rate("hit_rate", hit_rate)
+    if num_missed is not None and (not is_int(num_missed) or not (1 <= num_missed <= batch_size)):
         raise ValueError(
             f"num_missed must be None or an integer in [1, batch_size={batch_size}], got {num_missed!r}"
         )
