@@ -95,6 +95,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads per target rank (CPU)
     tensor_parallel_size: int = 1  # target ranks; rank 0 is this process, the others are spawned (or torchrun)
     distributed_timeout_s: float = 300.0  # a collective stuck this long means a rank is gone
+    enforce_eager: bool = False  # CUDA: never capture CUDA graphs (no effect on CPU)
+    compile_model: bool = False  # CUDA: torch.compile the forward of graph-captured steps
     speculative_config: SpeculativeConfig | dict[str, Any] | None = field(default=None)
 
     def __post_init__(self) -> None:

@@ -20,11 +20,11 @@ from ssd.config import EngineConfig
 from ssd.core.block_pool import BlockPool
 from ssd.core.kv_cache_manager import KVCacheManager
 from ssd.core.scheduler import Scheduler, SchedulerConfig, SequenceTooLongError
-from ssd.core.sequence import FinishReason, Sequence, SequenceStatus
+from ssd.core.sequence import FinishReason, Sequence
 from ssd.distributed.launcher import TensorParallelRanks
 from ssd.distributed.layout import ProcessLayout, plan_layout
 from ssd.distributed.worker import RunnerArgs, build_runner
-from ssd.executor.model_runner import ModelRunner
+from ssd.executor.model_runner import GraphOptions, ModelRunner
 from ssd.executor.step_executor import RowContext, StepExecutor, StepResult
 from ssd.models.loader import load_arch_config
 from ssd.outputs import RequestMetrics, RequestOutput, SpecStats, TokenLogprob
@@ -126,7 +126,11 @@ class LLMEngine:
             self.parallel = TensorParallelRanks.start(
                 args, self.layout, config.distributed_timeout_s, logging.getLogger().level
             )
-        return build_runner(args, str(self.device), self.parallel.group if self.parallel else None)
+        graphs = None
+        if not config.enforce_eager:
+            max_query_len = self.spec.num_speculative_tokens + 1 if self.spec is not None else 1
+            graphs = GraphOptions(max_query_len=max_query_len, compile=config.compile_model)
+        return build_runner(args, str(self.device), self.parallel.group if self.parallel else None, graphs)
 
     def _build_proposer(self):
         from ssd.spec.factory import build_proposer

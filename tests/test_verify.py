@@ -232,7 +232,7 @@ def _exactness_setup(vocab: int, seed: int):
 
 @pytest.mark.parametrize("per_row_generators", [False, True])
 def test_emitted_tokens_are_distributed_as_target(per_row_generators):
-    vocab, k = 5, 2
+    vocab = 5  # two draft positions (d1, d2) below
     b = 24_000 if per_row_generators else 60_000
     p0, p1, p2, q1, q2 = _exactness_setup(vocab, seed=3)
     g = torch.Generator().manual_seed(17)

@@ -68,7 +68,7 @@ def place_process(device: str, num_threads: int | None, cpus: list[int] | None) 
         torch.cuda.set_device(torch.device(device))
 
 
-def build_runner(args: RunnerArgs, device: str, tp: TensorParallelGroup):
+def build_runner(args: RunnerArgs, device: str, tp: TensorParallelGroup | None, graphs=None):  # noqa: ANN001
     from ssd.executor.model_runner import ModelRunner
 
     return ModelRunner(
@@ -81,6 +81,7 @@ def build_runner(args: RunnerArgs, device: str, tp: TensorParallelGroup):
         args.kv_cache_fraction,
         max_num_seqs=args.max_num_seqs,
         tp=tp,
+        graphs=graphs,
     )
 
 

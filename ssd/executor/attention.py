@@ -6,6 +6,17 @@ of its block table, in block-table order) under a boolean mask. Causal attention
 query i of a sequence with L visible slots sees slots ``0 .. L - q_len + i``; tree attention passes an
 explicit mask. Building that metadata is the executor's job (once per step); this module only consumes it,
 so a faster backend (CUDA kernels) can replace :func:`paged_attention` behind the same dataclass.
+
+Two layouts share :func:`paged_attention`:
+
+- :class:`AttentionMetadata` (the reference): tokens of a sequence are contiguous in the flat batch and are
+  gathered into padded query rows per layer; used by eager forward passes on every device.
+- :class:`DenseAttentionMetadata`: the flat batch is already padded to exactly ``B * Q`` tokens (sequence b's
+  query i is row ``b * Q + i``) and the key length to a bucket ``L``, so every shape is fixed by ``(B, Q, L)``
+  and a CUDA graph can be captured once per bucket (see :mod:`ssd.executor.static_batch`).
+
+Neither path reads device values on the host (no ``.item()``/``.tolist()``, no data-dependent branching), so
+a forward pass queues its kernels without synchronising.
 """
 
 from __future__ import annotations
@@ -33,6 +44,23 @@ class AttentionMetadata:
 
 
 @dataclass
+class DenseAttentionMetadata:
+    """Fixed-shape layout of ``B`` sequences with ``Q`` query rows each over ``L`` key slots.
+
+    Padding query rows and padding sequences write their K/V to a slot no sequence reads (the caller's pad
+    slot) and attend to key column 0 only (so softmax stays finite); their outputs are discarded.
+    """
+
+    slot_mapping: torch.Tensor  # [B*Q] int64: slot that receives each row's K/V (pad slot for padding rows)
+    kv_slots: torch.Tensor  # [B, L] int64: slots each sequence reads (pad slot for padding columns)
+    mask: torch.Tensor  # [B, 1, Q, L] bool, True = may attend
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.numel()
+
+
+@dataclass
 class KVCache:
     """One layer's paged cache: ``[num_blocks, block_size, num_kv_heads, head_dim]`` for keys and values."""
 
@@ -52,10 +80,12 @@ def paged_attention(
     key: torch.Tensor,  # [T, Hkv, D]
     value: torch.Tensor,  # [T, Hkv, D]
     cache: KVCache,
-    meta: AttentionMetadata,
+    meta: AttentionMetadata | DenseAttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend over each sequence's slots. Returns ``[T, H, D]``."""
+    if isinstance(meta, DenseAttentionMetadata):  # a host-side type check, not a device value
+        return dense_paged_attention(query, key, value, cache, meta, scale)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     write_kv(cache, key, value, meta.slot_mapping)
@@ -79,3 +109,38 @@ def paged_attention(
     )  # [B, H, Q, D]
     out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [B*Q, H, D]
     return out[meta.out_index]  # [T, H, D]
+
+
+def dense_paged_attention(
+    query: torch.Tensor,  # [B*Q, H, D]
+    key: torch.Tensor,  # [B*Q, Hkv, D]
+    value: torch.Tensor,  # [B*Q, Hkv, D]
+    cache: KVCache,
+    meta: DenseAttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`paged_attention` over the fixed-shape layout; every shape depends only on ``(B, Q, L)``.
+
+    The query heads sharing a KV head are packed as extra query rows of that head (``[B, Hkv, Q*G, D]``), so
+    one plain SDPA call covers GQA without ``enable_gqa`` (which not every fused CUDA kernel accepts with a
+    mask), and the mask is repeated per group row.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    group = num_heads // num_kv_heads
+    batch, _, q_len, kv_len = meta.mask.shape
+    write_kv(cache, key, value, meta.slot_mapping)
+
+    flat_k = cache.key.view(-1, num_kv_heads, head_dim)
+    flat_v = cache.value.view(-1, num_kv_heads, head_dim)
+    keys = flat_k[meta.kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
+    values = flat_v[meta.kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
+    queries = query.reshape(batch, q_len, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)  # [B, Hkv, Q, G, D]
+    queries = queries.reshape(batch, num_kv_heads, q_len * group, head_dim)  # [B, Hkv, Q*G, D]
+    mask = meta.mask  # [B, 1, Q, L]; one query row per sequence broadcasts over the G packed rows
+    if q_len > 1 and group > 1:
+        mask = mask.unsqueeze(3).expand(batch, 1, q_len, group, kv_len).reshape(batch, 1, q_len * group, kv_len)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)  # [B, Hkv, Q*G, D]
+    # reshape, not view: fused kernels may return a transposed layout
+    out = out.reshape(batch, num_kv_heads, q_len, group, head_dim).permute(0, 2, 1, 3, 4)  # [B, Q, Hkv, G, D]
+    return out.reshape(num_tokens, num_heads, head_dim)  # [B*Q, H, D]

@@ -2,7 +2,8 @@
 
 The executor describes each sequence of the step by the slots its new tokens are written to and the slots
 it reads (which include the new ones); this module turns that into padded index tensors and masks once per
-step. Kept free of model code so that runners for target, draft and tree decoding share it.
+step. Kept free of model code so that runners for target, draft and tree decoding share it. The index
+tensors reach the device in one non-blocking copy (:func:`ssd.executor.host_transfer.arrays_to_device`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 
 from ssd.executor.attention import AttentionMetadata
+from ssd.executor.host_transfer import arrays_to_device
 
 
 @dataclass
@@ -30,7 +32,63 @@ class SequenceLayout:
     mask: np.ndarray | None = None
 
 
+def sequence_mask(layout: SequenceLayout) -> np.ndarray:
+    """The ``[q_len, kv_len]`` bool mask of one sequence: its explicit mask, or causal over its read slots."""
+    q_len, kv_len = len(layout.write_slots), len(layout.read_slots)
+    if layout.mask is not None:
+        if layout.mask.shape != (q_len, kv_len):
+            raise ValueError(f"mask shape {layout.mask.shape} != ({q_len}, {kv_len})")
+        return layout.mask
+    first = kv_len - q_len  # key index of the first new token
+    return np.arange(kv_len)[None, :] <= (first + np.arange(q_len))[:, None]
+
+
 def build_attention_metadata(layouts: list[SequenceLayout], device: torch.device | str = "cpu") -> AttentionMetadata:
+    """Reference metadata for ``layouts``, moved to ``device`` in one transfer."""
+    arrays = metadata_arrays(layouts)
+    return _as_metadata(arrays_to_device(arrays, device))
+
+
+@dataclass
+class StepTensors:
+    """Everything one forward pass needs on the device, delivered by :func:`build_step_tensors`."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    logit_rows: torch.Tensor  # [N] int64 rows of the flat batch whose logits are wanted
+    meta: AttentionMetadata
+
+
+def build_step_tensors(
+    token_ids: list[int] | np.ndarray,
+    positions: np.ndarray,
+    layouts: list[SequenceLayout],
+    logit_rows: list[int] | np.ndarray,
+    device: torch.device | str = "cpu",
+) -> StepTensors:
+    """Token ids, positions, logit rows and attention metadata of a step in ONE host-to-device copy (pinned,
+    non-blocking on CUDA), instead of one blocking copy per tensor."""
+    head = [
+        np.asarray(token_ids, dtype=np.int64),
+        np.asarray(positions, dtype=np.int64),
+        np.asarray(logit_rows, dtype=np.int64),
+    ]
+    tensors = arrays_to_device(head + metadata_arrays(layouts), device)
+    return StepTensors(tensors[0], tensors[1], tensors[2], _as_metadata(tensors[3:]))
+
+
+def _as_metadata(tensors: list[torch.Tensor]) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=tensors[0],
+        kv_slots=tensors[1],
+        query_rows=tensors[2],
+        out_index=tensors[3],
+        mask=tensors[4] if len(tensors) > 4 else None,
+    )
+
+
+def metadata_arrays(layouts: list[SequenceLayout]) -> list[np.ndarray]:
+    """Host arrays of the reference metadata: slot_mapping, kv_slots, query_rows, out_index[, mask]."""
     num_seqs = len(layouts)
     q_lens = [len(s.write_slots) for s in layouts]
     kv_lens = [len(s.read_slots) for s in layouts]
@@ -51,24 +109,11 @@ def build_attention_metadata(layouts: list[SequenceLayout], device: torch.device
         query_rows[b, :q_len] = np.arange(start, start + q_len)
         out_index[start : start + q_len] = b * max_q + np.arange(q_len)
         if mask is not None:
-            if layout.mask is not None:
-                if layout.mask.shape != (q_len, kv_len):
-                    raise ValueError(f"mask shape {layout.mask.shape} != ({q_len}, {kv_len})")
-                mask[b, 0, :q_len, :kv_len] = layout.mask
-            else:
-                first = kv_len - q_len  # key index of the first new token
-                mask[b, 0, :q_len, :kv_len] = np.arange(kv_len)[None, :] <= (first + np.arange(q_len))[:, None]
+            mask[b, 0, :q_len, :kv_len] = sequence_mask(layout)
             mask[b, 0, q_len:, 0] = True  # padded query rows: attend somewhere so softmax stays finite
         start += q_len
 
-    as_tensor = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
-    return AttentionMetadata(
-        slot_mapping=as_tensor(slot_mapping),
-        kv_slots=as_tensor(kv_slots),
-        query_rows=as_tensor(query_rows),
-        out_index=as_tensor(out_index),
-        mask=None if mask is None else as_tensor(mask),
-    )
+    return [slot_mapping, kv_slots, query_rows, out_index] + ([] if mask is None else [mask])
 
 
 def block_slots(block_table: list[int], block_size: int, start: int, end: int) -> np.ndarray:

@@ -21,7 +21,8 @@ import torch
 
 from ssd.distributed.commands import ForwardCommand
 from ssd.executor.attention import KVCache
-from ssd.executor.attention_layout import SequenceLayout, block_slots, build_attention_metadata
+from ssd.executor.attention_layout import SequenceLayout, block_slots, build_step_tensors
+from ssd.executor.cuda_graphs import GraphRunner, GraphRunnerConfig
 from ssd.executor.memory import available_memory_bytes
 from ssd.models.arch import ModelArchConfig
 from ssd.models.draft_vocab import DraftVocab
@@ -33,6 +34,17 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    """CUDA-graph settings of a runner (ignored off CUDA). ``max_query_len`` is the largest number of new
+    tokens per sequence a captured step takes: 1 for plain decoding, K + 1 for verification, the branch count
+    for SSD tree steps. ``max_kv_len`` bounds the slots a sequence reads (default: ``max_model_len``)."""
+
+    max_query_len: int = 1
+    max_kv_len: int | None = None
+    compile: bool = False
 
 
 @dataclass
@@ -68,6 +80,7 @@ class ModelRunner:
         num_blocks: int | None = None,
         max_num_seqs: int = 16,
         tp: "TensorParallelGroup | None" = None,
+        graphs: GraphOptions | None = None,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[dtype]
@@ -97,7 +110,13 @@ class ModelRunner:
         if tp is not None:
             num_blocks = tp.broadcast_object(num_blocks)  # every rank's cache mirrors the driver's block pool
         self.num_blocks = num_blocks
-        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        use_graphs = graphs is not None and self.device.type == "cuda"
+        if use_graphs and tp is not None:
+            logger.warning("CUDA graphs are not used with tensor parallelism yet; running eagerly")
+            use_graphs = False
+        # With graphs, one extra block beyond the block pool takes the K/V writes of padding rows.
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks + (1 if use_graphs else 0))
+        self.graph_runner = self._graph_runner(graphs, max_num_seqs) if use_graphs else None
 
     @property
     def vocab_size(self) -> int:
@@ -130,6 +149,16 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> list[KVCache]:
         return self.model.allocate_kv_caches(num_blocks, self.block_size, self.dtype, self.device)
 
+    def _graph_runner(self, graphs: GraphOptions, max_num_seqs: int) -> GraphRunner:
+        config = GraphRunnerConfig(
+            max_batch_size=max_num_seqs,
+            max_query_len=graphs.max_query_len,
+            max_kv_len=graphs.max_kv_len or self.max_model_len,
+            compile=graphs.compile,
+        )
+        input_map = None if self.draft_vocab is None else self.draft_vocab.target_to_draft()
+        return GraphRunner(self.model, self.kv_caches, self.num_blocks * self.block_size, config, input_map)
+
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem]) -> torch.Tensor | None:
         """Run one forward pass; returns float32 logits ``[sum(num_logits), V]`` in item order (``None`` on
@@ -159,14 +188,13 @@ class ModelRunner:
             layouts.append(SequenceLayout(write_slots=write, read_slots=read, mask=item.mask))
             logit_rows.extend(range(offset + n - item.num_logits, offset + n))
             offset += n
-        meta = build_attention_metadata(layouts, self.device)
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)  # [T]
-        if self._input_map is not None:
-            input_ids = self._input_map[input_ids]  # [T] model ids
-        pos = torch.from_numpy(np.concatenate(positions).astype(np.int64)).to(self.device)  # [T]
-        hidden = self.model(input_ids, pos, meta, self.kv_caches)  # [T, H]
-        if len(logit_rows) == offset:
-            selected = hidden
-        else:
-            selected = hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)]  # [N, H]
+        pos = np.concatenate(positions).astype(np.int64)  # [T]
+        if self.graph_runner is not None:
+            logits = self.graph_runner.run(token_ids, pos, layouts, logit_rows)  # None: no bucket fits
+            if logits is not None:
+                return logits  # [N, V] float32
+        step = build_step_tensors(token_ids, pos, layouts, logit_rows, self.device)  # one host-to-device copy
+        input_ids = step.input_ids if self._input_map is None else self._input_map[step.input_ids]  # [T] model ids
+        hidden = self.model(input_ids, step.positions, step.meta, self.kv_caches)  # [T, H]
+        selected = hidden if len(logit_rows) == offset else hidden[step.logit_rows]  # [N, H]
         return self.model.compute_logits(selected)  # [N, V] float32

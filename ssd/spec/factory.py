@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from ssd.core.block_pool import BlockPool
 from ssd.core.kv_cache_manager import KVCacheManager, cdiv
-from ssd.executor.model_runner import ModelRunner
+from ssd.executor.model_runner import GraphOptions, ModelRunner
 from ssd.models.draft_vocab import DraftVocab
 from ssd.models.loader import load_arch_config
 from ssd.spec.drafting import DraftDistribution
@@ -67,6 +67,8 @@ def load_draft_runner(engine: "LLMEngine", extra_tokens_per_seq: int) -> tuple[M
         kv_cache_memory=None,
         kv_cache_fraction=cfg.kv_cache_fraction,
         num_blocks=draft_num_blocks(engine, extra_tokens_per_seq),
+        max_num_seqs=cfg.max_num_seqs,
+        graphs=None if cfg.enforce_eager else GraphOptions(max_query_len=extra_tokens_per_seq + 1, compile=cfg.compile_model),
     )
     manager = KVCacheManager(BlockPool(runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching))
     return runner, manager, usable

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from ssd.executor.model_runner import GraphOptions
 from ssd.spec.factory import check_draft_vocabulary, draft_num_blocks
 from ssd.spec.ssd.client import SSDProposer
 from ssd.spec.ssd.fanout import parse_fan_out
@@ -43,6 +44,12 @@ def build_ssd_proposer(engine: "LLMEngine") -> SSDProposer:
         num_threads=spec.draft_threads,
         cpu_affinity=draft_cpus,
         log_level=logging.getLogger().level,
+        # A tree step decodes `budget` branch tokens per sequence and reads up to K + 1 + K * budget
+        # scratch slots beyond the sequence's own.
+        graphs=None if cfg.enforce_eager else GraphOptions(
+            max_query_len=max(K + 1, budget), max_kv_len=engine.max_model_len + K + 1 + K * budget,
+            compile=cfg.compile_model,
+        ),
     )
     logger.info("starting SSD draft worker (device %s, cpus %s, K=%d)", device, draft_cpus, K)
     return SSDProposer(config, spec.fallback, spec.draft_timeout_s)

@@ -19,7 +19,7 @@ import torch
 
 from ssd.core.block_pool import BlockPool
 from ssd.core.kv_cache_manager import KVCacheManager
-from ssd.executor.model_runner import ModelRunner
+from ssd.executor.model_runner import GraphOptions, ModelRunner
 from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution
 from ssd.spec.ssd import protocol as wire
@@ -48,6 +48,7 @@ class WorkerConfig:
     num_threads: int | None
     cpu_affinity: list[int] | None
     log_level: int = logging.WARNING
+    graphs: GraphOptions | None = None  # CUDA graphs for glue and tree steps (None: eager)
 
 
 def _pin(config: WorkerConfig) -> None:
@@ -62,6 +63,7 @@ def build_draft_engine(config: WorkerConfig) -> DraftEngine:
     runner = ModelRunner(
         config.model, config.dtype, config.device, config.block_size, config.max_model_len,
         kv_cache_memory=None, kv_cache_fraction=0.5, num_blocks=config.num_blocks,
+        graphs=config.graphs,
     )
     kv = KVCacheManager(BlockPool(runner.num_blocks, config.block_size, config.enable_prefix_caching))
     dist = DraftDistribution.for_runner(runner, config.target_vocab_size, config.num_usable_tokens)

@@ -1,0 +1,539 @@
+"""GPU check: exactness of the CUDA path and decode step time against the memory-bandwidth floor, one run.
+
+    python bench/gpu_check.py                         # on a GPU machine: a few minutes
+    python bench/gpu_check.py --device cpu --tiny     # CI smoke test of the same logic: seconds
+
+Three parts, each printed and written to one JSON file:
+
+(a) exactness on tiny random checkpoints (float32): the device's eager reference forward and the GraphRunner
+    (CUDA graphs on CUDA, its static forward eagerly on CPU) against the CPU reference forward for prefill,
+    batched decode, K+1 verification and an SSD tree step (logits within 1e-4 relative on CUDA, 1e-5 on CPU;
+    greedy argmax identical), and the engine's greedy generations (``LLM(device=...)``) against
+    ``transformers`` greedy generation on CPU;
+(b) AR == SD == SSD greedy tokens through ``LLM`` on the device (SSD's draft on a second GPU when there is
+    one, else sharing the first);
+(c) timing: a Llama-3-8B-shaped random bf16 target and a Llama-3.2-1B-shaped draft (built on the meta device,
+    materialised on the device, random-initialised in place: no checkpoint on disk). The copy bandwidth is
+    measured with a device-to-device copy (bytes read + written per second); the floor of a step is the
+    weight bytes it must read divided by that bandwidth (the embedding table is read in full only when it is
+    tied to the LM head). Reported for the AR decode step at batch 1, the K+1 = 8 verify step, and the draft
+    tree step (M branches of one sequence), each eagerly (the engine's current path), with the static forward
+    run eagerly, and with CUDA graphs. Step times are model forwards including host-side input preparation,
+    synchronised per step, median of ``--iters``.
+
+Targets (issue 8): AR step with graphs <= 1.3x floor; verify step <= 1.2x the AR step; all checks pass.
+Exit status 1 when an exactness check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(BENCH_DIR.parent / "tests"))  # checkpoint builders shared with the test suite
+
+from common import RESULTS_DIR, machine_info, print_table, write_json  # noqa: E402
+
+from ssd.executor.attention_layout import SequenceLayout, block_slots, build_attention_metadata  # noqa: E402
+from ssd.executor.cuda_graphs import GraphRunner, GraphRunnerConfig  # noqa: E402
+from ssd.executor.static_batch import pack_step  # noqa: E402
+from ssd.models.arch import ModelArchConfig  # noqa: E402
+from ssd.models.decoder import DecoderLM  # noqa: E402
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)
+LLAMA32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                  num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True)
+TINY_TARGET = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=512, tie_word_embeddings=False)
+TINY_DRAFT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True)
+AR_TARGET, VERIFY_TARGET = 1.3, 1.2
+BLOCK = 16
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    detail: str = ""
+
+
+@dataclass
+class Timing:
+    model: str
+    step: str
+    batch: int
+    queries: int
+    kv_len: int
+    mode: str
+    step_ms: float
+    floor_ms: float
+    x_floor: float
+    vs_ar: float | None = None
+
+
+@dataclass
+class Report:
+    device: str
+    tiny: bool
+    checks: list[Check] = field(default_factory=list)
+    timings: list[Timing] = field(default_factory=list)
+    bandwidth_gbps: float | None = None
+    weight_bytes: dict[str, int] = field(default_factory=dict)
+    targets: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+
+# ------------------------------------------------------------------------------------------- step drivers
+class Driver:
+    """One model over its own paged cache (plus a pad block), stepped by the reference forward or a GraphRunner."""
+
+    def __init__(self, model: DecoderLM, num_blocks: int, graphs: GraphRunnerConfig | None = None) -> None:
+        self.model = model
+        self.caches = model.allocate_kv_caches(num_blocks + 1, BLOCK)
+        self.runner = None if graphs is None else GraphRunner(model, self.caches, num_blocks * BLOCK, graphs)
+        self.fallbacks = 0
+
+    @torch.inference_mode()
+    def step(self, ids: list[int], positions: np.ndarray, layouts: list[SequenceLayout], rows: list[int]):
+        """Float32 logits ``[N, V]`` on the model's device (like ModelRunner.forward)."""
+        if self.runner is not None:
+            out = self.runner.run(ids, positions, layouts, rows)
+            if out is not None:
+                return out
+            self.fallbacks += 1
+        device = self.model.device
+        meta = build_attention_metadata(layouts, device)
+        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=device),
+                            torch.tensor(np.asarray(positions), dtype=torch.long, device=device), meta, self.caches)
+        return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=device)])  # [N, V]
+
+
+StepInputs = tuple[list[int], np.ndarray, list[SequenceLayout], list[int]]
+
+
+def scenario(vocab: int, seed: int = 0) -> Callable[[torch.Tensor | None], StepInputs | None]:
+    """Prefill of 3 prompts, 6 batched decode steps, a K+1 = 8 verify step, then an SSD tree step, over
+    shuffled blocks. Decode tokens come from the reference's greedy argmax so every driver sees the same inputs.
+    Returns a generator-like callable: feed it the reference logits of the previous step."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.permutation(64).tolist()
+    tables: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    lengths = {0: 0, 1: 0, 2: 0}
+    prompts = {0: rng.integers(3, vocab, 5).tolist(), 1: rng.integers(3, vocab, 13).tolist(),
+               2: rng.integers(3, vocab, 40).tolist()}
+    state = {"i": 0}
+
+    def table(seq: int, n: int) -> list[int]:
+        while len(tables[seq]) * BLOCK < n:
+            tables[seq].append(blocks.pop())
+        return tables[seq]
+
+    def causal(new: dict[int, list[int]], num_logits: dict[int, int]) -> StepInputs:
+        ids, pos, layouts, rows, off = [], [], [], [], 0
+        for seq, toks in new.items():
+            a, b = lengths[seq], lengths[seq] + len(toks)
+            t = table(seq, b)
+            ids += toks
+            pos.append(np.arange(a, b))
+            layouts.append(SequenceLayout(block_slots(t, BLOCK, a, b), block_slots(t, BLOCK, 0, b)))
+            rows += list(range(off + len(toks) - num_logits[seq], off + len(toks)))
+            off += len(toks)
+            lengths[seq] = b
+        return ids, np.concatenate(pos), layouts, rows
+
+    def tree(m: int, k: int) -> StepInputs:
+        """One depth-0 tree step of sequence 0: m branches after a glue of k drafts (DraftEngine's layout)."""
+        n = lengths[0]
+        glue_end = n + k
+        t = table(0, glue_end + m)
+        ks = np.arange(m) % (k + 1)
+        mask = np.zeros((m, glue_end + m), dtype=bool)
+        mask[:, :glue_end] = np.arange(glue_end)[None, :] <= (n - 1 + ks)[:, None]
+        mask[:, glue_end:] = np.eye(m, dtype=bool)
+        write, read = block_slots(t, BLOCK, glue_end, glue_end + m), block_slots(t, BLOCK, 0, glue_end + m)
+        layout = SequenceLayout(write, read, mask)
+        return rng.integers(3, vocab, m).tolist(), n + ks, [layout], list(range(m))
+
+    def next_step(prev: torch.Tensor | None) -> StepInputs | None:
+        i = state["i"]
+        state["i"] += 1
+        if i == 0:
+            return causal(prompts, {0: 1, 1: 1, 2: 1})
+        greedy = prev.argmax(-1).tolist() if prev is not None else []
+        if 1 <= i <= 6:
+            last = greedy[-3:]
+            return causal({seq: [last[seq]] for seq in range(3)}, {0: 1, 1: 1, 2: 1})
+        if i == 7:
+            last = greedy[-3:]
+            new = {seq: [last[seq]] + rng.integers(3, vocab, 7).tolist() for seq in range(3)}
+            return causal(new, {0: 8, 1: 8, 2: 8})
+        if i == 8:
+            return tree(m=6, k=3)
+        return None
+
+    return next_step
+
+
+def compare_drivers(name: str, reference: Driver, others: dict[str, Driver], vocab: int, rtol: float) -> list[Check]:
+    """Run the scenario on every driver; one check per driver: max relative error and greedy agreement."""
+    steps = scenario(vocab)
+    errors = {k: 0.0 for k in others}
+    agree = {k: True for k in others}
+    prev = None
+    while (inputs := steps(prev)) is not None:
+        ref = reference.step(*inputs).float().cpu()
+        scale = max(1.0, ref.abs().max().item())
+        for key, driver in others.items():
+            out = driver.step(*inputs).float().cpu()
+            errors[key] = max(errors[key], (out - ref).abs().max().item() / scale)
+            agree[key] &= out.argmax(-1).tolist() == ref.argmax(-1).tolist()
+        prev = ref
+    return [
+        Check(f"{name}: {key} vs CPU reference logits", errors[key] <= rtol and agree[key],
+              f"max rel err {errors[key]:.2e} (tol {rtol:.0e}), greedy argmax {'same' if agree[key] else 'DIFFERENT'}"
+              + (f", {others[key].fallbacks} eager fallbacks" if others[key].runner is not None else ""))
+        for key in others
+    ]
+
+
+# ------------------------------------------------------------------------------------------- part (a), (b)
+def part_exactness(report: Report, work: Path, device: torch.device, tiny: bool, llama: Path | None) -> Path:
+    """Part (a); ``llama`` is an existing tiny Llama checkpoint to reuse (made here when None)."""
+    from checkpoints import make_checkpoint
+
+    from ssd.models.loader import load_model
+
+    capture = device.type == "cuda"
+    rtol = 1e-4 if device.type == "cuda" else 1e-5
+    archs = ["llama"] if tiny else ["llama", "qwen3"]
+    target = None
+    for arch in archs:
+        path = llama if arch == "llama" and llama is not None else make_checkpoint(work / arch, arch)
+        target = target or path
+        cpu_model = load_model(path, dtype=torch.float32, device="cpu")[0].eval()
+        dev_model = load_model(path, dtype=torch.float32, device=device)[0].eval()
+        graphs = GraphRunnerConfig(max_batch_size=4, max_query_len=8, max_kv_len=256, capture=capture)
+        report.checks += compare_drivers(
+            arch, Driver(cpu_model, 64),
+            {f"{device.type} eager": Driver(dev_model, 64),
+             f"{device.type} graph runner": Driver(dev_model, 64, graphs)},
+            cpu_model.config.vocab_size, rtol,
+        )
+        if device.type == "cuda":
+            report.checks.append(check_no_host_sync(arch, dev_model, device))
+    report.checks.append(check_generation_vs_hf(target, device, tiny))
+    return target
+
+
+def check_no_host_sync(
+    name: str, model: DecoderLM, device: torch.device, set_mode: Callable[[str], None] | None = None
+) -> Check:
+    """The per-layer forward (reference and static layouts) must not synchronise with the host: run it under
+    ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronising call (``set_mode`` replaces
+    that switch, so the CPU smoke test can exercise this function)."""
+    set_mode = set_mode or torch.cuda.set_sync_debug_mode
+    steps = scenario(model.config.vocab_size)
+    ids, positions, layouts, rows = steps(None)  # prefill of three sequences (reference layout with a mask)
+    errors = []
+    driver = Driver(model, 64, GraphRunnerConfig(max_batch_size=4, max_query_len=64, max_kv_len=256, capture=False))
+    with torch.inference_mode():
+        meta = build_attention_metadata(layouts, device)
+        input_ids = torch.tensor(ids, device=device)
+        pos = torch.tensor(positions, device=device)
+        shape = driver.runner.policy.select(len(layouts), max(len(s.write_slots) for s in layouts),
+                                            max(len(s.read_slots) for s in layouts))
+        views = driver.runner.inputs.load(pack_step(shape, ids, positions, layouts, rows, driver.runner.pad_slot))
+        sync(device)
+        for label, fn in (("reference", lambda: model(input_ids, pos, meta, driver.caches)),
+                          ("static", lambda: driver.runner._forward(views))):
+            set_mode("error")
+            try:
+                fn()
+            except RuntimeError as err:
+                errors.append(f"{label}: {err}")
+            finally:
+                set_mode("default")
+    return Check(f"{name}: forward without host synchronisation", not errors, "; ".join(errors) or "no sync")
+
+
+def _gen_prompts(n: int, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1234)
+    return [torch.randint(3, vocab, (3 + 7 * i,), generator=gen).tolist() for i in range(n)]
+
+
+def check_generation_vs_hf(path: Path, device: torch.device, tiny: bool) -> Check:
+    import transformers
+
+    from ssd import LLM, SamplingParams
+
+    new = 12 if tiny else 32
+    prompts = _gen_prompts(3, 500)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = []
+    with torch.inference_mode():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, min_new_tokens=new,
+                              pad_token_id=0)
+            expected.append(out[0, len(p):].tolist())
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    with LLM(str(path), device=str(device), dtype="float32", kv_cache_memory="16MiB", max_model_len=256,
+             block_size=BLOCK) as llm:
+        got = [o.token_ids for o in llm.generate(prompts, params)]
+    same = got == expected
+    return Check(f"LLM greedy on {device.type} == transformers greedy (CPU)", same,
+                 f"{len(prompts)} prompts x {new} tokens" + ("" if same else f"; ours {got} vs hf {expected}"))
+
+
+def part_spec_modes(report: Report, target: Path, work: Path, device: torch.device, tiny: bool) -> None:
+    from ssd_utils import make_perturbed_draft
+
+    from ssd import LLM, SamplingParams
+
+    draft = make_perturbed_draft(target, work / "draft", sigma=0.04)
+    new = 12 if tiny else 40
+    prompts = _gen_prompts(3, 500)
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    base = dict(device=str(device), dtype="float32", kv_cache_memory="16MiB", max_model_len=256, block_size=BLOCK)
+    draft_device = "cuda:1" if device.type == "cuda" and torch.cuda.device_count() > 1 else str(device)
+    modes = {
+        "AR": {},
+        "SD": {"speculative_config": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4}},
+        "SSD": {"speculative_config": {"method": "ssd", "model": str(draft), "num_speculative_tokens": 4,
+                                       "fan_out": 2, "draft_device": draft_device}},
+    }
+    tokens = {}
+    for mode, extra in modes.items():
+        with LLM(str(target), **base, **extra) as llm:
+            tokens[mode] = [o.token_ids for o in llm.generate(prompts, params)]
+    same = tokens["AR"] == tokens["SD"] == tokens["SSD"]
+    report.checks.append(Check(f"AR == SD == SSD greedy on {device.type} (SSD draft on {draft_device})", same,
+                               f"{len(prompts)} prompts x {new} tokens"
+                               + ("" if same else f"; {tokens}")))
+
+
+# ------------------------------------------------------------------------------------------- part (c)
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
+    """Bytes per second moved by a device-to-device copy (each copied byte is read once and written once)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / statistics.median(times)
+
+
+def random_model(shape: dict[str, Any], dtype: torch.dtype, device: torch.device, seed: int = 0) -> DecoderLM:
+    """A Llama-shaped model with random weights, built on the meta device and materialised in place."""
+    cfg = ModelArchConfig.from_hf_config(dict(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5,
+                                              rope_theta=500000.0, max_position_embeddings=8192, **shape))
+    with torch.device("meta"):
+        model = DecoderLM(cfg, dtype=dtype)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+    return model.eval()
+
+
+def weight_bytes_read(model: DecoderLM) -> int:
+    """Bytes of weights one forward reads: all parameters, except that an untied embedding is only indexed."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
+
+
+def step_inputs(queries: int, kv_len: int, tree: bool, vocab: int) -> StepInputs:
+    """One sequence reading ``kv_len`` contiguous slots; its last ``queries`` are new (causal), or a tree
+    step whose ``queries`` branches sit in scratch slots and each see the prefix plus themselves."""
+    read = np.arange(kv_len)
+    write = read[kv_len - queries:]
+    prefix = kv_len - queries
+    mask = None
+    positions = np.arange(prefix, kv_len)
+    if tree:
+        mask = np.zeros((queries, kv_len), dtype=bool)
+        mask[:, :prefix] = True
+        mask[:, prefix:] = np.eye(queries, dtype=bool)
+        positions = np.full(queries, prefix)
+    ids = (np.arange(queries) * 7 + 3) % vocab
+    return ids.tolist(), positions, [SequenceLayout(write, read, mask)], list(range(queries))
+
+
+def time_step(driver: Driver, inputs: StepInputs, warmup: int, iters: int, device: torch.device) -> float:
+    for _ in range(warmup):
+        driver.step(*inputs)
+    sync(device)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        driver.step(*inputs)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def part_timing(report: Report, device: torch.device, tiny: bool, iters: int, kv_len: int) -> None:
+    dtype = torch.bfloat16
+    nbytes = (64 << 20) if tiny else (1 << 30)
+    bandwidth = copy_bandwidth(device, nbytes, 3 if tiny else 10)
+    report.bandwidth_gbps = bandwidth / 1e9
+    K = 7
+    tree_width = 2 * (K + 1)  # fan-out 2 at every acceptance length
+    plans = [  # (model name, step, queries, tree)
+        ("target", "AR decode", 1, False),
+        ("target", f"verify K+1={K + 1}", K + 1, False),
+        ("draft", f"tree M={tree_width}", tree_width, True),
+        ("draft", "AR decode", 1, False),
+    ]
+    modes = ["eager", "static eager"] + (["cuda graphs"] if device.type == "cuda" else [])
+    shapes = {"target": TINY_TARGET if tiny else LLAMA3_8B, "draft": TINY_DRAFT if tiny else LLAMA32_1B}
+    num_blocks = -(-kv_len // BLOCK) + 1
+    for name, shape in shapes.items():
+        model = random_model(shape, dtype, device)
+        report.weight_bytes[name] = weight_bytes_read(model)
+        floor_ms = report.weight_bytes[name] / bandwidth * 1e3
+        for mode in modes:
+            graphs = None if mode == "eager" else GraphRunnerConfig(
+                max_batch_size=1, max_query_len=tree_width, max_kv_len=kv_len, capture=mode == "cuda graphs")
+            driver = Driver(model, num_blocks, graphs)
+            ar_ms = None
+            for model_name, step, queries, tree in plans:
+                if model_name != name:
+                    continue
+                inputs = step_inputs(queries, kv_len, tree, shape["vocab_size"])
+                ms = time_step(driver, inputs, warmup=2 if tiny else 5, iters=iters, device=device)
+                if step == "AR decode":
+                    ar_ms = ms
+                report.timings.append(Timing(name, step, 1, queries, kv_len, mode, ms, floor_ms, ms / floor_ms))
+            for t in report.timings:
+                if t.model == name and t.mode == mode and ar_ms:
+                    t.vs_ar = t.step_ms / ar_ms
+        del model, driver
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    graph_rows = {(t.model, t.step): t for t in report.timings if t.mode == "cuda graphs"}
+    ar = graph_rows.get(("target", "AR decode"))
+    verify = graph_rows.get(("target", f"verify K+1={K + 1}"))
+    report.targets = {
+        "ar_x_floor_with_graphs": None if ar is None else ar.x_floor,
+        "ar_target": AR_TARGET,
+        "ar_met": None if ar is None else ar.x_floor <= AR_TARGET,
+        "verify_vs_ar_with_graphs": None if verify is None else verify.vs_ar,
+        "verify_target": VERIFY_TARGET,
+        "verify_met": None if verify is None else verify.vs_ar <= VERIFY_TARGET,
+    }
+
+
+# ------------------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
+    p.add_argument("--tiny", action="store_true", help="tiny timing models and short runs (CPU smoke test)")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: exactness, spec, timing")
+    p.add_argument("--iters", type=int, default=None, help="timed steps per row (default 30; 3 with --tiny)")
+    p.add_argument("--kv-len", type=int, default=None, help="slots each timed step reads (default 512; 64 tiny)")
+    p.add_argument("--checkpoint", default=None,
+                   help="tiny random Llama checkpoint folder to reuse for (a) and (b) (default: make one)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads during the run (default: unchanged)")
+    p.add_argument("--json", default=str(RESULTS_DIR / "gpu_check.json"), help="where to write the results")
+    args = p.parse_args(argv)
+    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    unknown = args.skip - {"exactness", "spec", "timing"}
+    if unknown:
+        p.error(f"unknown parts to skip: {sorted(unknown)}")
+    args.iters = args.iters or (3 if args.tiny else 30)
+    args.kv_len = args.kv_len or (64 if args.tiny else 512)
+    return args
+
+
+def print_report(report: Report) -> None:
+    print(f"\ndevice {report.device}" + (" (tiny shapes)" if report.tiny else ""))
+    for c in report.checks:
+        print(f"  [{'PASS' if c.passed else 'FAIL'}] {c.name}: {c.detail}")
+    if report.timings:
+        print(f"copy bandwidth {report.bandwidth_gbps:.1f} GB/s (read + write); weight bytes read per step: "
+              + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in report.weight_bytes.items()))
+        print_table(
+            ["model", "step", "B", "Q", "kv slots", "mode", "step ms", "floor ms", "x floor", "x AR step"],
+            [[t.model, t.step, t.batch, t.queries, t.kv_len, t.mode, round(t.step_ms, 3), round(t.floor_ms, 3),
+              t.x_floor, t.vs_ar] for t in report.timings],
+        )
+        if report.targets.get("ar_met") is not None:
+            print(f"targets: AR with graphs {report.targets['ar_x_floor_with_graphs']:.2f}x floor "
+                  f"(<= {AR_TARGET}: {'met' if report.targets['ar_met'] else 'NOT met'}); verify "
+                  f"{report.targets['verify_vs_ar_with_graphs']:.2f}x AR step "
+                  f"(<= {VERIFY_TARGET}: {'met' if report.targets['verify_met'] else 'NOT met'})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("CUDA is not available here; use --device cpu --tiny for the CPU smoke test")
+    report = Report(str(device), args.tiny)
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        run_parts(report, args, device)
+    finally:
+        torch.set_num_threads(threads)
+    print_report(report)
+    options = {k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items()}
+    data = {"machine": machine_info(), "args": options, **asdict(report), "passed": report.passed}
+    if device.type == "cuda":
+        data["gpu"] = torch.cuda.get_device_name(device)
+    print(f"wrote {write_json(data, args.json)}")
+    return 0 if report.passed else 1
+
+
+def run_parts(report: Report, args: argparse.Namespace, device: torch.device) -> None:
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        work = Path(tmp)
+        target = Path(args.checkpoint) if args.checkpoint else None
+        if "exactness" not in args.skip:
+            target = part_exactness(report, work, device, args.tiny, target)
+        if "spec" not in args.skip:
+            if target is None:
+                from checkpoints import make_checkpoint
+
+                target = make_checkpoint(work / "llama", "llama")
+            part_spec_modes(report, target, work, device, args.tiny)
+    if "timing" not in args.skip:
+        part_timing(report, device, args.tiny, args.iters, args.kv_len)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
