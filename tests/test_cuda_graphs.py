@@ -269,3 +269,31 @@ def test_static_forward_never_synchronises(checkpoint_factory) -> None:
             runner._forward(views)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_model_runner_static_path_equals_eager(checkpoint_factory):
+    """ModelRunner wired to a GraphRunner (static buffers, padded buckets, pad block beyond the pool; capture
+    off so it runs on CPU) gives the eager runner's logits for prefill, decode and K+1 verification, and
+    sends steps no bucket fits (long prefill) down the eager path."""
+    from ssd.executor.model_runner import ForwardItem, GraphOptions, ModelRunner
+
+    path = str(checkpoint_factory("qwen3", num_heads=4, num_kv_heads=2))
+    kwargs = dict(block_size=4, max_model_len=64, kv_cache_memory=None, kv_cache_fraction=0.25, num_blocks=40,
+                  max_num_seqs=4)
+    eager = ModelRunner(path, "float32", "cpu", **kwargs)
+    static = ModelRunner(path, "float32", "cpu", graphs=GraphOptions(max_query_len=5, capture=False), **kwargs)
+    assert eager.graph_runner is None and static.graph_runner is not None
+    assert len(static.kv_caches[0].key) == static.num_blocks + 1  # the pad block
+    prompts = [[5, 9, 17, 33, 2, 8, 1, 40, 41, 42], [7, 3, 11]]
+    tables = [list(range(0, 10)), list(range(10, 20))]
+    steps = [
+        [ForwardItem(p, 0, t, num_logits=1) for p, t in zip(prompts, tables)],  # prefill: eager fallback
+        [ForwardItem([21], len(p), t) for p, t in zip(prompts, tables)],  # decode
+        [ForwardItem([22, 23, 24, 25, 26], len(p) + 1, t, num_logits=5) for p, t in zip(prompts, tables)],  # verify
+    ]
+    used_static = []
+    for items in steps:
+        static.graph_runner.last_shape = None
+        torch.testing.assert_close(static.forward(items), eager.forward(items), rtol=1e-5, atol=1e-5)
+        used_static.append(static.graph_runner.last_shape is not None)
+    assert used_static == [False, True, True]

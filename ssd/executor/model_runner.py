@@ -45,6 +45,7 @@ class GraphOptions:
     max_query_len: int = 1
     max_kv_len: int | None = None
     compile: bool = False
+    capture: bool = True  # False: run the same padded static forward eagerly, on any device (tests use it on CPU)
 
 
 @dataclass
@@ -110,7 +111,7 @@ class ModelRunner:
         if tp is not None:
             num_blocks = tp.broadcast_object(num_blocks)  # every rank's cache mirrors the driver's block pool
         self.num_blocks = num_blocks
-        use_graphs = graphs is not None and self.device.type == "cuda"
+        use_graphs = graphs is not None and (self.device.type == "cuda" or not graphs.capture)
         if use_graphs and tp is not None:
             logger.warning("CUDA graphs are not used with tensor parallelism yet; running eagerly")
             use_graphs = False
@@ -155,6 +156,7 @@ class ModelRunner:
             max_query_len=graphs.max_query_len,
             max_kv_len=graphs.max_kv_len or self.max_model_len,
             compile=graphs.compile,
+            capture=graphs.capture,
         )
         input_map = None if self.draft_vocab is None else self.draft_vocab.target_to_draft()
         return GraphRunner(self.model, self.kv_caches, self.num_blocks * self.block_size, config, input_map)
