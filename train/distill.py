@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import random
 import shutil
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
 
 logger = logging.getLogger("distill")
 DATA = Path(__file__).resolve().parent / "data"
@@ -111,6 +112,23 @@ def collate(batch: list[Example], t2d: torch.Tensor, unknown: int):
         tid[b, e.start : e.start + n] = d
         tlp[b, e.start : e.start + n] = lp
     return x, tid, tlp
+
+
+def length_bucketed_batches(pool: list[Example], batch: int, rng: random.Random) -> list[list[Example]]:
+    """One epoch of batches, each of similar-length examples, in random order.
+
+    Batches are right-padded to their longest member; mixing 256-token stdlib chunks with ~130-token chat
+    continuations would roughly double the cost of most steps.
+    """
+    order = pool[:]
+    rng.shuffle(order)
+    window = batch * 32
+    batches = []
+    for s in range(0, len(order), window):
+        part = sorted(order[s : s + window], key=lambda e: len(e.ids))
+        batches += [part[i : i + batch] for i in range(0, len(part), batch)]
+    rng.shuffle(batches)
+    return batches
 
 
 def soft_ce(logits: torch.Tensor, tid: torch.Tensor, tlp: torch.Tensor, unknown: int):
@@ -224,27 +242,33 @@ def cmd_train(args) -> None:
         model.get_input_embeddings().weight.requires_grad_(False)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    # Weight decay on matrices only (not norms): a regulariser against overfitting the continuations.
+    params = [q for q in model.parameters() if q.requires_grad]
+    groups = [{"params": [q for q in params if q.dim() >= 2], "weight_decay": args.weight_decay},
+              {"params": [q for q in params if q.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.98))
     pool = gen * args.gen_weight + lib
     seen_stamp = data_stamp(Path(args.data))
     rng = random.Random(args.seed)
     loss0, agree0 = evaluate(model, val, t2d, unknown)
     logger.info("step 0: val loss %.3f agree %.3f (est. accept len %.2f)", loss0, agree0, expected_accept_len(agree0))
     t0 = time.time()
-    order: list[Example] = []
+    order: list[list[Example]] = []
     for step in range(1, args.max_steps + 1):
-        lr = args.lr * min(1.0, step / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.max_steps)))
+        # Cosine over training progress: the step count, or the elapsed share of the time budget if that is
+        # further along (the shared machine's speed varies several-fold), so a time-boxed run still anneals.
+        progress = min(1.0, max(step / args.max_steps, (time.time() - t0) / args.time_budget_s))
+        lr = args.lr * min(1.0, step / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         for g in opt.param_groups:
             g["lr"] = lr
-        if len(order) < args.batch:
+        if not order:
             stamp = data_stamp(Path(args.data))
             if stamp != seen_stamp:  # make_data.py may still be adding generated examples: pick them up
                 gen, val, lib = load_examples(Path(args.data))
                 pool, seen_stamp = gen * args.gen_weight + lib, stamp
                 logger.info("data: %d gen train, %d val, %d stdlib examples", len(gen), len(val), len(lib))
-            order = pool[:]
-            rng.shuffle(order)
-        batch, order = order[: args.batch], order[args.batch :]
+            order = length_bucketed_batches(pool, args.batch, rng)
+        batch = order.pop()
         x, tid, tlp = collate(batch, t2d, unknown)
         loss, agree, n = soft_ce(model(input_ids=x).logits, tid, tlp, unknown)
         opt.zero_grad(set_to_none=True)
@@ -252,8 +276,8 @@ def cmd_train(args) -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % args.log_every == 0:
-            logger.info("step %d/%d lr %.2e loss %.3f agree %.3f  %.0f s", step, args.max_steps, lr, float(loss.detach()),
-                        float(agree) / float(n), time.time() - t0)
+            logger.info("step %d/%d lr %.2e loss %.3f agree %.3f  %.0f s  load %.1f", step, args.max_steps, lr,
+                        float(loss.detach()), float(agree) / float(n), time.time() - t0, os.getloadavg()[0])
         if step % args.eval_every == 0 or step == args.max_steps:
             vl, va = evaluate(model, val, t2d, unknown)
             logger.info("step %d: val loss %.3f agree %.3f (est. accept len %.2f)", step, vl, va, expected_accept_len(va))
@@ -301,6 +325,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=5e-4)
     ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay on weight matrices")
     ap.add_argument("--freeze-embeddings", action="store_true")
     ap.add_argument("--init", default="", help="a draft.pt to continue from")
     ap.add_argument("--gen-weight", type=int, default=2, help="times each generated example appears per epoch")
@@ -311,9 +336,11 @@ def main() -> None:
     ap.add_argument("--out", default=str(DATA / "run"))
     ap.add_argument("--ckpt", default=str(DATA / "run" / "draft.pt"))
     ap.add_argument("--dest", default=str(Path(__file__).resolve().parent.parent / "models" / "smollm2-draft"))
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads; 1 is several times faster than 2 on the shared, loaded 2-core machine")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     {"probe": cmd_probe, "train": cmd_train, "export": cmd_export}[args.command](args)
 
 

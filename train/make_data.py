@@ -2,7 +2,8 @@
 
 Stages (run in order; each writes one file under --out, default train/data/):
 
-* ``gen``    — the target's own greedy continuations of the prompts in train/prompts.py, produced by our
+* ``gen``    — the target's own greedy continuations of the training prompts (train/prompts.py plus the
+               generated ones of train/prompt_gen.py), produced by our
                engine in bf16 (exactly what the draft must predict at serving time), with the target's
                top-20 logprobs at every generated position as soft labels.
 * ``stdlib`` — chunks of the Python standard library sources on this machine, with the target's top-20
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prompts import chat_prompts, code_stub_prompts  # noqa: E402
+from prompt_gen import all_prompts  # noqa: E402
 
 logger = logging.getLogger("make_data")
 TOPK = 20
@@ -44,8 +45,9 @@ def stage_gen(out: Path, max_tokens: int, batch: int, budget_s: float, seed: int
     path = target_path()
     llm = LLM(model=path, dtype="bfloat16", kv_cache_memory="1GiB", max_num_seqs=batch)
     tok = llm.tokenizer
-    prompts: list[list[int]] = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in chat_prompts()]
-    prompts += [tok.encode(p) for p in code_stub_prompts()]
+    chat, stubs = all_prompts(seed)
+    prompts: list[list[int]] = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in chat]
+    prompts += [tok.encode(p) for p in stubs]
     random.Random(seed).shuffle(prompts)  # every chunk mixes chat, writing and code
     logger.info("generating for %d prompts, max_tokens=%d, batch=%d", len(prompts), max_tokens, batch)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=TOPK)
@@ -80,9 +82,10 @@ def stage_hfgen(out: Path, max_tokens: int, batch: int, budget_s: float, seed: i
     path = target_path()
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
+    chat, stubs = all_prompts(seed)
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-               for p in chat_prompts()]
-    prompts += code_stub_prompts()
+               for p in chat]
+    prompts += stubs
     random.Random(seed).shuffle(prompts)
     prompts = prompts[start:]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -190,9 +193,11 @@ def main() -> None:
     ap.add_argument("--chunk-len", type=int, default=256)
     ap.add_argument("--budget-s", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads; 1 is several times faster than 2 on the shared, loaded 2-core machine")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

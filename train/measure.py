@@ -59,9 +59,11 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--num", type=int, default=10, help="prompts per set")
     ap.add_argument("--timing", action="store_true", help="also time target and draft decode steps")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads; 1 is several times faster than 2 on the shared, loaded 2-core machine")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     from ssd.models.fetch import fetch_default_target
     from ssd.tokenizer import Tokenizer
 
