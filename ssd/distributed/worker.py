@@ -19,6 +19,7 @@ from ssd.distributed.commands import ForwardCommand, ShutdownCommand
 
 if TYPE_CHECKING:
     from ssd.config import EngineConfig
+    from ssd.executor.model_runner import GraphOptions, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +69,10 @@ def place_process(device: str, num_threads: int | None, cpus: list[int] | None) 
         torch.cuda.set_device(torch.device(device))
 
 
-def build_runner(args: RunnerArgs, device: str, tp: TensorParallelGroup | None, graphs=None):  # noqa: ANN001
-    from ssd.executor.model_runner import ModelRunner
+def build_runner(
+    args: RunnerArgs, device: str, tp: TensorParallelGroup | None, graphs: "GraphOptions | None" = None
+) -> "ModelRunner":
+    from ssd.executor.model_runner import ModelRunner  # the runner imports this package: import late
 
     return ModelRunner(
         args.model,
@@ -97,7 +100,7 @@ def run_worker(args: WorkerArgs) -> None:
         group.destroy()
 
 
-def serve(runner, group: TensorParallelGroup) -> None:  # noqa: ANN001 - ModelRunner, imported lazily
+def serve(runner: "ModelRunner", group: TensorParallelGroup) -> None:
     """Execute the driver's commands until :class:`ShutdownCommand` (or until the driver disappears)."""
     while True:
         command = group.broadcast_object()
