@@ -22,7 +22,7 @@ import sysconfig
 from pathlib import Path
 
 from eval_prompts import CHAT_EVAL, CODE_EVAL
-from prompts import chat_prompts, code_stub_prompts
+from prompts import FACT_TEMPLATES, chat_prompts, code_stub_prompts
 
 SUBJECTS = [
     # science and nature
@@ -70,13 +70,7 @@ SUBJECTS = [
     "the CPU", "RAM", "hard drives and SSDs", "Wi-Fi", "Bluetooth", "GPS", "email",
 ]
 
-EXPLAIN_TEMPLATES = [
-    "What is {t}?",
-    "Explain {t} in simple terms.",
-    "Give me a short summary of {t}.",
-    "Why is {t} important?",
-    "Tell me three interesting facts about {t}.",
-    "How would you explain {t} to a ten-year-old?",
+EXPLAIN_TEMPLATES = FACT_TEMPLATES + [
     "Write a short paragraph about {t}.",
     "What are the most common misconceptions about {t}?",
     "Can you give me an overview of {t}?",
