@@ -26,7 +26,7 @@ from ssd_utils import make_perturbed_draft
 
 PROMPTS = [[5, 17, 42, 9, 33, 71, 2], [100, 3, 250, 7], [64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74]]
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-ENGINE = dict(dtype="float32", block_size=4, kv_cache_memory="4MiB", num_threads=1)
+ENGINE = dict(dtype="float32", block_size=4, kv_cache_memory="4MiB", num_threads=1, distributed_timeout_s=60.0)
 
 
 # ----------------------------------------------------------------------------------------- partitioning

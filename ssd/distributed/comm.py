@@ -86,6 +86,12 @@ class TensorParallelGroup:
         dist.broadcast_object_list(box, src=0, group=self._control)
         return box[0]
 
+    def check_health(self) -> None:
+        """Raise before a collective that could only hang or fail: a worker process is known to be dead."""
+        dead = self.health_check()
+        if dead:
+            raise TensorParallelError(f"tensor-parallel step refused on rank {self.rank}: {dead}")
+
     def failure_error(self, err: BaseException) -> TensorParallelError:
         """The error to raise when a collective failed: names dead ranks when the launcher knows them."""
         dead = self.health_check()

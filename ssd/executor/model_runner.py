@@ -167,6 +167,7 @@ class ModelRunner:
         tensor-parallel worker ranks)."""
         if self.tp is None or not self.tp.is_driver:
             return self._forward(items)
+        self.tp.check_health()
         try:
             self.tp.broadcast_object(ForwardCommand(items))
             return self._forward(items)
