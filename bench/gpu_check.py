@@ -48,6 +48,7 @@ from common import RESULTS_DIR, machine_info, print_table, write_json  # noqa: E
 
 from ssd.executor.attention_layout import SequenceLayout, block_slots, build_attention_metadata  # noqa: E402
 from ssd.executor.cuda_graphs import GraphRunner, GraphRunnerConfig  # noqa: E402
+from ssd.executor.forward_items import FlatStep, ForwardItem, flatten_items  # noqa: E402
 from ssd.executor.static_batch import pack_step  # noqa: E402
 from ssd.models.arch import ModelArchConfig  # noqa: E402
 from ssd.models.decoder import DecoderLM  # noqa: E402
@@ -111,24 +112,22 @@ class Driver:
         self.fallbacks = 0
 
     @torch.inference_mode()
-    def step(self, ids: list[int], positions: np.ndarray, layouts: list[SequenceLayout], rows: list[int]):
+    def step(self, flat: FlatStep) -> torch.Tensor:
         """Float32 logits ``[N, V]`` on the model's device (like ModelRunner.forward)."""
         if self.runner is not None:
-            out = self.runner.run(ids, positions, layouts, rows)
+            out = self.runner.run(flat.token_ids, flat.positions, flat.layouts, flat.logit_rows)
             if out is not None:
                 return out
             self.fallbacks += 1
         device = self.model.device
-        meta = build_attention_metadata(layouts, device)
-        hidden = self.model(torch.tensor(ids, dtype=torch.long, device=device),
-                            torch.tensor(np.asarray(positions), dtype=torch.long, device=device), meta, self.caches)
-        return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=device)])  # [N, V]
+        meta = build_attention_metadata(flat.layouts, device)
+        hidden = self.model(torch.tensor(flat.token_ids, dtype=torch.long, device=device),
+                            torch.tensor(flat.positions, dtype=torch.long, device=device), meta, self.caches)
+        rows = torch.tensor(flat.logit_rows, dtype=torch.long, device=device)
+        return self.model.compute_logits(hidden[rows])  # [N, V]
 
 
-StepInputs = tuple[list[int], np.ndarray, list[SequenceLayout], list[int]]
-
-
-def scenario(vocab: int, seed: int = 0) -> Callable[[torch.Tensor | None], StepInputs | None]:
+def scenario(vocab: int, seed: int = 0) -> Callable[[torch.Tensor | None], FlatStep | None]:
     """Prefill of 3 prompts, 6 batched decode steps, a K+1 = 8 verify step, then an SSD tree step, over
     shuffled blocks. Decode tokens come from the reference's greedy argmax so every driver sees the same inputs.
     Returns a generator-like callable: feed it the reference logits of the previous step."""
@@ -145,20 +144,15 @@ def scenario(vocab: int, seed: int = 0) -> Callable[[torch.Tensor | None], StepI
             tables[seq].append(blocks.pop())
         return tables[seq]
 
-    def causal(new: dict[int, list[int]], num_logits: dict[int, int]) -> StepInputs:
-        ids, pos, layouts, rows, off = [], [], [], [], 0
+    def causal(new: dict[int, list[int]], num_logits: dict[int, int]) -> FlatStep:
+        items = []
         for seq, toks in new.items():
-            a, b = lengths[seq], lengths[seq] + len(toks)
-            t = table(seq, b)
-            ids += toks
-            pos.append(np.arange(a, b))
-            layouts.append(SequenceLayout(block_slots(t, BLOCK, a, b), block_slots(t, BLOCK, 0, b)))
-            rows += list(range(off + len(toks) - num_logits[seq], off + len(toks)))
-            off += len(toks)
-            lengths[seq] = b
-        return ids, np.concatenate(pos), layouts, rows
+            start = lengths[seq]
+            lengths[seq] += len(toks)
+            items.append(ForwardItem(toks, start, table(seq, lengths[seq]), num_logits[seq]))
+        return flatten_items(items, BLOCK)
 
-    def tree(m: int, k: int) -> StepInputs:
+    def tree(m: int, k: int) -> FlatStep:
         """One depth-0 tree step of sequence 0: m branches after a glue of k drafts (DraftEngine's layout)."""
         n = lengths[0]
         glue_end = n + k
@@ -167,11 +161,12 @@ def scenario(vocab: int, seed: int = 0) -> Callable[[torch.Tensor | None], StepI
         mask = np.zeros((m, glue_end + m), dtype=bool)
         mask[:, :glue_end] = np.arange(glue_end)[None, :] <= (n - 1 + ks)[:, None]
         mask[:, glue_end:] = np.eye(m, dtype=bool)
-        write, read = block_slots(t, BLOCK, glue_end, glue_end + m), block_slots(t, BLOCK, 0, glue_end + m)
-        layout = SequenceLayout(write, read, mask)
-        return rng.integers(3, vocab, m).tolist(), n + ks, [layout], list(range(m))
+        item = ForwardItem(rng.integers(3, vocab, m).tolist(), n, t, num_logits=m, positions=n + ks,
+                           write_slots=block_slots(t, BLOCK, glue_end, glue_end + m),
+                           read_slots=block_slots(t, BLOCK, 0, glue_end + m), mask=mask)
+        return flatten_items([item], BLOCK)
 
-    def next_step(prev: torch.Tensor | None) -> StepInputs | None:
+    def next_step(prev: torch.Tensor | None) -> FlatStep | None:
         i = state["i"]
         state["i"] += 1
         if i == 0:
@@ -198,10 +193,10 @@ def compare_drivers(name: str, reference: Driver, others: dict[str, Driver], voc
     agree = {k: True for k in others}
     prev = None
     while (inputs := steps(prev)) is not None:
-        ref = reference.step(*inputs).float().cpu()
+        ref = reference.step(inputs).float().cpu()
         scale = max(1.0, ref.abs().max().item())
         for key, driver in others.items():
-            out = driver.step(*inputs).float().cpu()
+            out = driver.step(inputs).float().cpu()
             errors[key] = max(errors[key], (out - ref).abs().max().item() / scale)
             agree[key] &= out.argmax(-1).tolist() == ref.argmax(-1).tolist()
         prev = ref
@@ -250,7 +245,8 @@ def check_no_host_sync(
     that switch, so the CPU smoke test can exercise this function)."""
     set_mode = set_mode or torch.cuda.set_sync_debug_mode
     steps = scenario(model.config.vocab_size)
-    ids, positions, layouts, rows = steps(None)  # prefill of three sequences (reference layout with a mask)
+    flat = steps(None)  # prefill of three sequences (reference layout with a mask)
+    ids, positions, layouts, rows = flat.token_ids, flat.positions, flat.layouts, flat.logit_rows
     errors = []
     driver = Driver(model, 64, GraphRunnerConfig(max_batch_size=4, max_query_len=64, max_kv_len=256, capture=False))
     with torch.inference_mode():
@@ -374,7 +370,7 @@ def weight_bytes_read(model: DecoderLM) -> int:
     return total
 
 
-def step_inputs(queries: int, kv_len: int, tree: bool, vocab: int) -> StepInputs:
+def step_inputs(queries: int, kv_len: int, tree: bool, vocab: int) -> FlatStep:
     """One sequence reading ``kv_len`` contiguous slots; its last ``queries`` are new (causal), or a tree
     step whose ``queries`` branches sit in scratch slots and each see the prefix plus themselves."""
     read = np.arange(kv_len)
@@ -388,17 +384,17 @@ def step_inputs(queries: int, kv_len: int, tree: bool, vocab: int) -> StepInputs
         mask[:, prefix:] = np.eye(queries, dtype=bool)
         positions = np.full(queries, prefix)
     ids = (np.arange(queries) * 7 + 3) % vocab
-    return ids.tolist(), positions, [SequenceLayout(write, read, mask)], list(range(queries))
+    return FlatStep(ids.tolist(), positions, [SequenceLayout(write, read, mask)], list(range(queries)))
 
 
-def time_step(driver: Driver, inputs: StepInputs, warmup: int, iters: int, device: torch.device) -> float:
+def time_step(driver: Driver, inputs: FlatStep, warmup: int, iters: int, device: torch.device) -> float:
     for _ in range(warmup):
-        driver.step(*inputs)
+        driver.step(inputs)
     sync(device)
     times = []
     for _ in range(iters):
         start = time.perf_counter()
-        driver.step(*inputs)
+        driver.step(inputs)
         sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3

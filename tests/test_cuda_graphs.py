@@ -17,6 +17,7 @@ import torch
 
 from ssd.executor.attention_layout import SequenceLayout, block_slots, build_attention_metadata
 from ssd.executor.cuda_graphs import GraphRunner, GraphRunnerConfig
+from ssd.executor.forward_items import FlatStep, ForwardItem, flatten_items
 from ssd.executor.static_batch import BucketPolicy, BucketShape, pack_step
 from ssd.models.loader import load_model
 
@@ -54,22 +55,25 @@ class TwinSessions:
             table.append(self.free.pop())
         return table
 
-    def _reference(self, caches, ids, positions, layouts, rows) -> torch.Tensor:
+    def _reference(self, caches, flat: FlatStep) -> torch.Tensor:
         device = self.model.device
-        model_ids = ids if self.input_map is None else self.input_map[np.asarray(ids)]
-        meta = build_attention_metadata(layouts, device)
-        hidden = self.model(torch.tensor(np.asarray(model_ids), dtype=torch.long, device=device),
-                            torch.tensor(np.asarray(positions), dtype=torch.long, device=device),
+        ids = np.asarray(flat.token_ids)
+        model_ids = ids if self.input_map is None else self.input_map[ids]
+        meta = build_attention_metadata(flat.layouts, device)
+        hidden = self.model(torch.tensor(model_ids, dtype=torch.long, device=device),
+                            torch.tensor(flat.positions, dtype=torch.long, device=device),
                             meta, caches)  # [T, hidden]
-        return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=device)])  # [N, V]
+        rows = torch.tensor(flat.logit_rows, dtype=torch.long, device=device)
+        return self.model.compute_logits(hidden[rows])  # [N, V]
 
     @torch.inference_mode()
-    def step(self, ids: list[int], positions: np.ndarray, layouts: list[SequenceLayout], rows: list[int]):
-        ref = self._reference(self.ref_caches, ids, positions, layouts, rows)
-        out = self.runner.run(ids, positions, layouts, rows)
+    def step(self, items: list[ForwardItem]) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = flatten_items(items, BLOCK)
+        ref = self._reference(self.ref_caches, flat)
+        out = self.runner.run(flat.token_ids, flat.positions, flat.layouts, flat.logit_rows)
         if out is None:
             self.fallbacks += 1
-            out = self._reference(self.graph_caches, ids, positions, layouts, rows)
+            out = self._reference(self.graph_caches, flat)
         return ref, out
 
     def caches_match(self) -> None:
@@ -81,17 +85,12 @@ class TwinSessions:
 
 def _append_step(s: TwinSessions, lengths: dict[int, int], new: dict[int, list[int]], num_logits: dict[int, int]):
     """Causal step appending ``new[seq]`` to each sequence; returns (ref, graph) logits."""
-    ids, positions, layouts, rows, offset = [], [], [], [], 0
+    items = []
     for seq, tokens in new.items():
-        start, end = lengths[seq], lengths[seq] + len(tokens)
-        table = s.table(seq, end)
-        ids += tokens
-        positions.append(np.arange(start, end))
-        layouts.append(SequenceLayout(block_slots(table, BLOCK, start, end), block_slots(table, BLOCK, 0, end)))
-        rows += list(range(offset + len(tokens) - num_logits[seq], offset + len(tokens)))
-        offset += len(tokens)
-        lengths[seq] = end
-    return s.step(ids, np.concatenate(positions), layouts, rows)
+        start = lengths[seq]
+        lengths[seq] += len(tokens)
+        items.append(ForwardItem(tokens, start, s.table(seq, lengths[seq]), num_logits[seq]))
+    return s.step(items)
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +140,7 @@ def test_tree_step_equals_reference(model) -> None:
     _append_step(s, lengths, {0: _prompt(9, 11), 1: _prompt(14, 12)}, {0: 1, 1: 1})
     branches = {0: [0, 0, 1, 3], 1: [1, 2]}  # acceptance length k of each branch
     for depth in range(2):
-        ids, positions, layouts, rows, offset = [], [], [], [], 0
+        items = []
         for seq, ks in branches.items():
             n, m = lengths[seq], len(ks)
             glue_end = n + K
@@ -154,12 +153,9 @@ def test_tree_step_equals_reference(model) -> None:
             read = np.concatenate([block_slots(table, BLOCK, 0, glue_end),
                                    block_slots(table, BLOCK, glue_end, glue_end + (depth + 1) * m)])
             write = block_slots(table, BLOCK, glue_end + depth * m, glue_end + (depth + 1) * m)
-            layouts.append(SequenceLayout(write, read, mask))
-            ids += _prompt(m, 20 + seq + depth)
-            positions.append(n + ks_arr + depth)
-            rows += list(range(offset, offset + m))
-            offset += m
-        ref, out = s.step(ids, np.concatenate(positions), layouts, rows)
+            items.append(ForwardItem(_prompt(m, 20 + seq + depth), n, table, num_logits=m, positions=n + ks_arr + depth,
+                                     write_slots=write, read_slots=read, mask=mask))
+        ref, out = s.step(items)
         assert s.runner.last_shape == BucketShape(2, 4, 32)
         _close(out, ref)
         assert out.argmax(-1).tolist() == ref.argmax(-1).tolist()
@@ -275,7 +271,7 @@ def test_model_runner_static_path_equals_eager(checkpoint_factory):
     """ModelRunner wired to a GraphRunner (static buffers, padded buckets, pad block beyond the pool; capture
     off so it runs on CPU) gives the eager runner's logits for prefill, decode and K+1 verification, and
     sends steps no bucket fits (long prefill) down the eager path."""
-    from ssd.executor.model_runner import ForwardItem, GraphOptions, ModelRunner
+    from ssd.executor.model_runner import GraphOptions, ModelRunner
 
     path = str(checkpoint_factory("qwen3", num_heads=4, num_kv_heads=2))
     kwargs = dict(block_size=4, max_model_len=64, kv_cache_memory=None, kv_cache_fraction=0.25, num_blocks=40,

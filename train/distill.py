@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from make_data import continuation_files
+
 
 logger = logging.getLogger("distill")
 DATA = Path(__file__).resolve().parent / "data"
@@ -74,7 +76,7 @@ class Example:
 def load_examples(data: Path) -> tuple[list[Example], list[Example], list[Example]]:
     """(train gen, validation, train stdlib); validation is every 8th generated record and 16th stdlib chunk."""
     gen_train, gen_val, lib = [], [], []
-    records = [r for name in ("gen.pt", "hfgen.pt") if (data / name).exists() for r in torch.load(data / name)]
+    records = [r for f in continuation_files(data) for r in torch.load(f)]
     for i, r in enumerate(records):
         n = len(r["output"])
         if n < 2:
@@ -94,7 +96,7 @@ def load_examples(data: Path) -> tuple[list[Example], list[Example], list[Exampl
 
 
 def data_stamp(data: Path) -> tuple:
-    return tuple((f.name, f.stat().st_mtime) for f in sorted(data.glob("*gen.pt")))
+    return tuple((f.name, f.stat().st_mtime) for f in continuation_files(data))
 
 
 def collate(batch: list[Example], t2d: torch.Tensor, unknown: int):

@@ -38,6 +38,12 @@ def target_path() -> str:
     return str(fetch_default_target())
 
 
+def continuation_files(data: Path) -> list[Path]:
+    """The continuation files in a stable order: ``gen.pt``, ``hfgen.pt``, then ``hfgen_<start>.pt`` parts."""
+    names = [data / "gen.pt", data / "hfgen.pt", *sorted(data.glob("hfgen_*.pt"))]
+    return [f for f in names if f.exists()]
+
+
 def stage_gen(out: Path, max_tokens: int, batch: int, budget_s: float, seed: int) -> None:
     """Greedy target continuations + top-k logprobs for every training prompt."""
     from ssd import LLM, SamplingParams
@@ -88,6 +94,7 @@ def stage_hfgen(out: Path, max_tokens: int, batch: int, budget_s: float, seed: i
     prompts += stubs
     random.Random(seed).shuffle(prompts)
     prompts = prompts[start:]
+    dest = out / ("hfgen.pt" if start == 0 else f"hfgen_{start:05d}.pt")  # parts never overwrite each other
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     records = []
     t0 = time.time()
@@ -109,7 +116,7 @@ def stage_hfgen(out: Path, max_tokens: int, batch: int, budget_s: float, seed: i
                             "top_lp": val[b, :n].to(torch.float16)})
         ntok = sum(len(r["output"]) for r in records)
         logger.info("%d/%d prompts, %d tokens, %.0f s", len(records), len(prompts), ntok, time.time() - t0)
-        torch.save(records, out / "hfgen.pt")
+        torch.save(records, dest)
         if time.time() - t0 > budget_s:
             logger.info("time budget reached")
             break
@@ -168,8 +175,7 @@ def stage_stdlib(out: Path, num_chunks: int, chunk_len: int, seed: int, budget_s
 def stage_vocab(out: Path) -> None:
     """Token counts over all training data, teacher top-1 weighted most (it is what the draft must say)."""
     counts = torch.zeros(49152, dtype=torch.float64)
-    for name in ("gen.pt", "hfgen.pt", "stdlib.pt"):
-        f = out / name
+    for f in [*continuation_files(out), out / "stdlib.pt"]:
         if not f.exists():
             continue
         for r in torch.load(f):

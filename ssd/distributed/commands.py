@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ssd.executor.model_runner import ForwardItem
+    from ssd.executor.forward_items import ForwardItem
 
 
 @dataclass

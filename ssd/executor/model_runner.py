@@ -16,13 +16,13 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from ssd.distributed.commands import ForwardCommand
 from ssd.executor.attention import KVCache
-from ssd.executor.attention_layout import SequenceLayout, block_slots, build_step_tensors
+from ssd.executor.attention_layout import build_step_tensors
 from ssd.executor.cuda_graphs import GraphRunner, GraphRunnerConfig
+from ssd.executor.forward_items import ForwardItem, flatten_items
 from ssd.executor.memory import available_memory_bytes
 from ssd.models.arch import ModelArchConfig
 from ssd.models.draft_vocab import DraftVocab
@@ -46,26 +46,6 @@ class GraphOptions:
     max_kv_len: int | None = None
     compile: bool = False
     capture: bool = True  # False: run the same padded static forward eagerly, on any device (tests use it on CPU)
-
-
-@dataclass
-class ForwardItem:
-    """One sequence's share of a forward pass.
-
-    ``token_ids`` are written at logical positions ``start_pos ..``; their slots come from ``block_table``
-    unless ``write_slots``/``read_slots``/``positions``/``mask`` are given explicitly (tree decoding puts
-    branch tokens in scratch slots whose order differs from their logical positions). ``num_logits`` is how
-    many trailing tokens need logits (0 for a non-final prefill chunk, 1 for decode, K+1 for verification).
-    """
-
-    token_ids: list[int]
-    start_pos: int
-    block_table: list[int]
-    num_logits: int = 1
-    positions: np.ndarray | None = None
-    write_slots: np.ndarray | None = None
-    read_slots: np.ndarray | None = None
-    mask: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -175,29 +155,13 @@ class ModelRunner:
             raise self.tp.failure_error(err) from err
 
     def _forward(self, items: list[ForwardItem]) -> torch.Tensor | None:
-        token_ids, positions, layouts, logit_rows = [], [], [], []
-        offset = 0
-        for item in items:
-            n = len(item.token_ids)
-            end = item.start_pos + n
-            token_ids.extend(item.token_ids)
-            positions.append(item.positions if item.positions is not None else np.arange(item.start_pos, end))
-            write = item.write_slots
-            if write is None:
-                write = block_slots(item.block_table, self.block_size, item.start_pos, end)
-            read = item.read_slots
-            if read is None:
-                read = block_slots(item.block_table, self.block_size, 0, end)
-            layouts.append(SequenceLayout(write_slots=write, read_slots=read, mask=item.mask))
-            logit_rows.extend(range(offset + n - item.num_logits, offset + n))
-            offset += n
-        pos = np.concatenate(positions).astype(np.int64)  # [T]
+        flat = flatten_items(items, self.block_size)
         if self.graph_runner is not None:
-            logits = self.graph_runner.run(token_ids, pos, layouts, logit_rows)  # None: no bucket fits
-            if logits is not None:
+            logits = self.graph_runner.run(flat.token_ids, flat.positions, flat.layouts, flat.logit_rows)
+            if logits is not None:  # None: no bucket fits
                 return logits  # [N, V] float32
-        step = build_step_tensors(token_ids, pos, layouts, logit_rows, self.device)  # one host-to-device copy
+        step = build_step_tensors(flat.token_ids, flat.positions, flat.layouts, flat.logit_rows, self.device)
         input_ids = step.input_ids if self._input_map is None else self._input_map[step.input_ids]  # [T] model ids
         hidden = self.model(input_ids, step.positions, step.meta, self.kv_caches)  # [T, H]
-        selected = hidden if len(logit_rows) == offset else hidden[step.logit_rows]  # [N, H]
+        selected = hidden if flat.all_rows else hidden[step.logit_rows]  # [N, H]
         return self.model.compute_logits(selected)  # [N, V] float32

@@ -16,7 +16,8 @@ import torch
 
 from ssd.core.scheduler import ScheduledSequence
 from ssd.core.sequence import Sequence
-from ssd.executor.model_runner import ForwardItem, ModelRunner
+from ssd.executor.forward_items import ForwardItem
+from ssd.executor.model_runner import ModelRunner
 from ssd.outputs import TokenLogprob
 from ssd.sample.sampler import SamplingTensors, compute_logprobs, processed_probs, sample
 from ssd.spec.proposal import Proposal, ProposalRequest, Proposer, VerifiedRound

@@ -8,7 +8,8 @@ from collections.abc import Callable
 import torch
 
 from ssd.core.sequence import Sequence
-from ssd.executor.model_runner import ForwardItem, ModelRunner
+from ssd.executor.forward_items import ForwardItem
+from ssd.executor.model_runner import ModelRunner
 from ssd.sample.sampler import SamplingTensors, processed_probs, sample
 from ssd.sampling_params import SamplingParams
 

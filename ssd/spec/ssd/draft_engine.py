@@ -31,7 +31,8 @@ import torch
 from ssd.core.kv_cache_manager import KVCacheManager
 from ssd.core.sequence import Sequence
 from ssd.executor.attention_layout import block_slots
-from ssd.executor.model_runner import ForwardItem, ModelRunner
+from ssd.executor.forward_items import ForwardItem
+from ssd.executor.model_runner import ModelRunner
 from ssd.sample.saguaro import saguaro_scale
 from ssd.sample.sampler import SamplingTensors, sample
 from ssd.sampling_params import SamplingParams
