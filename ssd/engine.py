@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -22,12 +21,10 @@ from ssd.core.kv_cache_manager import KVCacheManager
 from ssd.core.scheduler import Scheduler, SchedulerConfig, SequenceTooLongError
 from ssd.core.sequence import FinishReason, Sequence
 from ssd.distributed.launcher import TensorParallelRanks
-from ssd.distributed.layout import ProcessLayout, plan_layout
-from ssd.distributed.worker import RunnerArgs, build_runner
-from ssd.executor.model_runner import GraphOptions, ModelRunner
 from ssd.executor.step_executor import RowContext, StepExecutor, StepResult
 from ssd.models.loader import load_arch_config
 from ssd.outputs import RequestMetrics, RequestOutput, SpecStats, TokenLogprob
+from ssd.placement import CpuPinning, plan_engine_layout, start_target_runner
 from ssd.sample.sampler import make_generator
 from ssd.sampling_params import SamplingParams
 from ssd.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -58,19 +55,6 @@ class Request:
     num_reported_chars: int = 0
 
 
-def plan_engine_layout(config: EngineConfig) -> ProcessLayout:
-    """Cores/devices of the target ranks and of an SSD draft process on CPU."""
-    spec = config.speculative_config
-    draft_on_cpu = spec is not None and spec.method == "ssd" and (spec.draft_device or config.device) == "cpu"
-    return plan_layout(
-        config.device,
-        config.tensor_parallel_size,
-        config.num_threads,
-        draft_on_cpu=draft_on_cpu,
-        draft_threads=spec.draft_threads if spec is not None else None,
-    )
-
-
 class LLMEngine:
     """Synchronous engine: call :meth:`add_request`, then :meth:`step` until :meth:`has_unfinished`."""
 
@@ -83,16 +67,17 @@ class LLMEngine:
         self.spec = config.speculative_config
         self.layout = plan_engine_layout(config)
         self.device = torch.device(self.layout.rank_devices[0])
-        self._original_affinity: set[int] | None = None
-        self._original_threads = torch.get_num_threads()
+        self.pinning = CpuPinning()
         if self.layout.rank_cpus[0] is not None:
-            self.pin_cpus(self.layout.rank_cpus[0], self.layout.rank_threads[0])
+            cpus = self.layout.rank_cpus[0]
+            self.pinning.pin(cpus, self.layout.rank_threads[0] or config.num_threads or len(cpus))
         self.parallel: TensorParallelRanks | None = None
         try:
-            self.runner = self._build_runner(config)
+            target = start_target_runner(config, self.layout, str(self.device))
         except BaseException:
             self.shutdown()
             raise
+        self.runner, self.parallel = target.runner, target.parallel
         self.max_model_len = self.runner.max_model_len
         self.kv_manager = KVCacheManager(
             BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -119,18 +104,6 @@ class LLMEngine:
         self.requests: dict[int, Request] = {}
         self.stats = SpecStats()
         self._seq_ids = itertools.count()
-
-    def _build_runner(self, config: EngineConfig) -> ModelRunner:
-        args = RunnerArgs.from_config(config)
-        if config.tensor_parallel_size > 1:
-            self.parallel = TensorParallelRanks.start(
-                args, self.layout, config.distributed_timeout_s, logging.getLogger().level
-            )
-        graphs = None
-        if not config.enforce_eager:
-            max_query_len = self.spec.num_speculative_tokens + 1 if self.spec is not None else 1
-            graphs = GraphOptions(max_query_len=max_query_len, compile=config.compile_model)
-        return build_runner(args, str(self.device), self.parallel.group if self.parallel else None, graphs)
 
     def _build_proposer(self):
         from ssd.spec.factory import build_proposer
@@ -393,15 +366,6 @@ class LLMEngine:
             speculation=request.speculation,
         )
 
-    def pin_cpus(self, cpus: list[int], num_threads: int | None = None) -> None:
-        """Keep this (driver) process on ``cpus`` so other ranks and an SSD draft process get the others;
-        undone at shutdown."""
-        if self._original_affinity is None:
-            self._original_affinity = os.sched_getaffinity(0)
-            self._original_threads = torch.get_num_threads()
-        os.sched_setaffinity(0, cpus)
-        torch.set_num_threads(num_threads or self.config.num_threads or len(cpus))
-
     def shutdown(self) -> None:
         if getattr(self, "proposer", None) is not None:
             self.proposer.shutdown()
@@ -409,10 +373,8 @@ class LLMEngine:
         if getattr(self, "parallel", None) is not None:
             self.parallel.shutdown()
             self.parallel = None
-        if self._original_affinity is not None:
-            os.sched_setaffinity(0, self._original_affinity)
-            torch.set_num_threads(self._original_threads)
-            self._original_affinity = None
+        if getattr(self, "pinning", None) is not None:
+            self.pinning.restore()
 
     def __del__(self) -> None:
         try:

@@ -95,7 +95,7 @@ def serve_as_torchrun_worker(args: argparse.Namespace) -> bool:
     from ssd.config import EngineConfig
     from ssd.distributed.launcher import run_worker_from_env
     from ssd.distributed.worker import RunnerArgs
-    from ssd.engine import plan_engine_layout
+    from ssd.placement import plan_engine_layout
 
     config = EngineConfig(**engine_kwargs(args))
     run_worker_from_env(
