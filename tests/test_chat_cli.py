@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ssd import LLM, SamplingParams
+from ssd.cli.chat import ReplyStats
 from ssd.cli.main import main
 from ssd.config import EngineConfig
 from ssd.engine import LLMEngine
@@ -115,3 +116,10 @@ def test_unreachable_server_is_a_clear_error(monkeypatch, capsys):
     assert code == 1
     assert out == ""
     assert f"cannot reach an OpenAI-compatible server at http://127.0.0.1:{port}" in err
+
+
+def test_decode_rate_leaves_out_the_first_chunk() -> None:
+    """A speculative first chunk can carry K + 1 tokens; they belong to the TTFT, not to the decode rate."""
+    assert ReplyStats(10, elapsed_s=2.0, ttft_s=1.0, num_first_tokens=5).decode_tokens_per_s == 5.0
+    assert ReplyStats(10, elapsed_s=2.0, ttft_s=1.0).decode_tokens_per_s == 9.0
+    assert ReplyStats(5, elapsed_s=2.0, ttft_s=1.0, num_first_tokens=5).decode_tokens_per_s is None

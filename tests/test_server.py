@@ -528,6 +528,7 @@ def _check_speculative_server(url: str, reference: Reference, method: str) -> No
         assert spec["num_drafts"] >= 1 and spec["num_emitted_tokens"] <= MAX_TOKENS
         assert spec["num_emitted_tokens"] == spec["num_accepted_tokens"] + spec["num_drafts"]
         assert sum(spec["num_accepted_tokens_per_pos"]) == spec["num_accepted_tokens"]
+        assert 1 <= spec["num_first_step_tokens"] <= MAX_TOKENS
     # a non-streaming request agrees too
     r = client(url).completions.create(model=MODEL_NAME, prompt=PROMPTS[5], **GREEDY_BODY)
     assert r.choices[0].text == reference.completions[5]

@@ -35,12 +35,15 @@ class ReplyStats:
     mean_acceptance_length: float | None = None
     cache_hits: int = 0
     cache_lookups: int = 0
+    num_first_tokens: int = 1  # tokens that arrived with the first chunk (up to K + 1 with speculation)
 
     @property
     def decode_tokens_per_s(self) -> float | None:
-        if self.ttft_s is None or self.num_tokens < 2 or self.elapsed_s <= self.ttft_s:
+        """Tokens after the first chunk per second after it (the first chunk's tokens go with the TTFT)."""
+        later = self.num_tokens - self.num_first_tokens
+        if self.ttft_s is None or later < 1 or self.elapsed_s <= self.ttft_s:
             return None
-        return (self.num_tokens - 1) / (self.elapsed_s - self.ttft_s)
+        return later / (self.elapsed_s - self.ttft_s)
 
     def summary(self) -> str:
         parts = [f"{self.num_tokens} tokens"]
@@ -87,15 +90,17 @@ class LocalBackend:
         prompt = self.llm.tokenizer.apply_chat_template(messages)
         clock = _Clock()
         final = None
+        num_first = 0
         for output in self.llm.stream(prompt, self.params):
-            if output.new_token_ids:
+            if output.new_token_ids and clock.first is None:
                 clock.token()
+                num_first = len(output.new_token_ids)
             if output.new_text:
                 on_text(output.new_text)
             if output.finished:
                 final = output
         stats = ReplyStats(len(final.token_ids) if final else 0, clock.elapsed(), clock.first,
-                           final.finish_reason if final else None)
+                           final.finish_reason if final else None, num_first_tokens=num_first)
         spec = final.spec_stats if final is not None else None
         if spec is not None:
             stats.acceptance_rate = spec.acceptance_rate
@@ -182,6 +187,7 @@ class RemoteBackend:
             stats.acceptance_rate = spec.get("acceptance_rate")
             stats.mean_acceptance_length = spec.get("mean_acceptance_length")
             stats.cache_hits, stats.cache_lookups = spec.get("cache_hits", 0), spec.get("cache_lookups", 0)
+            stats.num_first_tokens = spec.get("num_first_step_tokens") or 1
         return stats
 
     def close(self) -> None:

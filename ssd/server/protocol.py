@@ -316,8 +316,11 @@ def usage_dict(
     num_cached_tokens: int,
     spec: SpecStats | None,
     speculation: str,
+    num_first_step_tokens: int = 0,
 ) -> dict[str, Any]:
-    """OpenAI usage, plus ``speculative`` (this request's own speculative counters) when the engine speculates."""
+    """OpenAI usage, plus ``speculative`` (this request's own speculative counters) when the engine speculates.
+    ``num_first_step_tokens`` (summed over choices) is what each choice's first emitting step produced: up to
+    K + 1 with speculation, so a client timing the stream can leave them out of its decode rate."""
     usage: dict[str, Any] = {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_output_tokens,
@@ -338,6 +341,7 @@ def usage_dict(
             "cache_hits": spec.cache_hits,
             "cache_hit_rate": spec.cache_hit_rate,
             "fallbacks": dict(spec.fallbacks),
+            "num_first_step_tokens": num_first_step_tokens,
         }
     return usage
 

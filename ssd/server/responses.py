@@ -38,6 +38,7 @@ def _usage(finals: list[StreamDelta]) -> dict[str, Any]:
         sum(d.num_cached_prompt_tokens for d in finals),
         _merged_stats(finals),
         finals[0].speculation if finals else "off",
+        sum(d.metrics.num_first_step_tokens for d in finals if d.metrics is not None),
     )
 
 
