@@ -26,6 +26,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from ssd.dtypes import DTYPE_NAMES, resolve_dtype  # noqa: E402
+
 from common import (  # noqa: E402
     RESULTS_DIR,
     EngineRunner,
@@ -79,8 +81,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target-threads", type=int, default=1, help="target threads in the extra-device layout")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"subset of {','.join(LAYOUTS)}")
     p.add_argument("--repeats", type=int, default=2, help="interleaved repeats of every configuration")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
-                   help="dtype of target and draft (float32 makes greedy output independent of batch shape)")
+    p.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
+                   help="dtype of target and draft; auto: bfloat16 on CPUs with native bf16, else float32 "
+                        "(float32 also makes greedy output independent of batch shape)")
     p.add_argument("--kv-cache-memory", default="256MiB", help="KV cache budget of the target")
     p.add_argument("--max-model-len", type=int, default=2048, help="max_model_len of the engines")
     p.add_argument("--hf-threads", type=int, default=None,
@@ -89,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers (assisted) reference")
     p.add_argument("--json", default=str(RESULTS_DIR / "spec_latest.json"), help="where to write the results")
     args = p.parse_args(argv)
+    args.dtype = resolve_dtype(args.dtype, "cpu")  # the concrete dtype, recorded with the results
     args.batch_sizes = parse_int_list(args.batch_sizes)
     args.layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     bad = sorted(set(args.layouts) - set(LAYOUTS))

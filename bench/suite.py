@@ -24,6 +24,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from ssd.dtypes import DTYPE_NAMES, resolve_dtype  # noqa: E402
+
 from bench_spec import LAYOUTS, batch_prompts, build_specs, pair_description, placements, run_metrics, summarise  # noqa: E402
 from bench_spec import speculative_config  # noqa: E402
 from common import (  # noqa: E402
@@ -81,7 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="interleaved repeats of every configuration")
     p.add_argument("--hf-threads", type=int, default=None, help="threads of transformers (default --target-threads)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate / assisted generation")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
+                   help="dtype of target and draft; auto: bfloat16 on CPUs with native bf16, else float32 "
+                        "(float32 also makes greedy output independent of batch shape)")
     p.add_argument("--exact-dtype", default="float32", choices=["float32", "bfloat16", "none"],
                    help="dtype of the separate greedy exactness check ('none': judge exactness on the main run)")
     p.add_argument("--exact-num-prompts", type=int, default=1, help="prompts per set in the exactness check")
@@ -100,6 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latest", default=str(RESULTS_DIR / "latest.json"), help="headline results ('' to skip)")
     p.add_argument("--plots-dir", default=str(RESULTS_DIR / "plots"), help="PNG plots ('' to skip)")
     args = p.parse_args(argv)
+    args.dtype = resolve_dtype(args.dtype, "cpu")  # the concrete dtype, recorded with the results
     args.batch_sizes = parse_int_list(args.batch_sizes)
     args.layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     args.datasets = [x.strip() for x in args.datasets.split(",") if x.strip()]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from ssd.dtypes import DTYPE_NAMES, resolve_dtype
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNIT_POWER = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}
@@ -38,7 +40,7 @@ class SpeculativeConfig:
     method: str = "draft_model"
     model: str | None = None
     num_speculative_tokens: int = 4
-    draft_dtype: str | None = None  # default: the target's dtype
+    draft_dtype: str | None = None  # default: the target's dtype; "auto" resolves for the draft's device
     # SSD only
     fan_out: int | list[int] | str = 2
     fan_out_miss: int | list[int] | str | None = None
@@ -73,6 +75,8 @@ class SpeculativeConfig:
             raise ValueError(f"saguaro_c must be in (0, 1], got {self.saguaro_c!r}")
         if self.draft_timeout_s <= 0:
             raise ValueError(f"draft_timeout_s must be positive, got {self.draft_timeout_s!r}")
+        if self.draft_dtype is not None and self.draft_dtype not in DTYPE_NAMES:
+            raise ValueError(f"draft_dtype {self.draft_dtype!r} is not supported; choose one of {list(DTYPE_NAMES)}")
 
 
 @dataclass
@@ -81,7 +85,7 @@ class EngineConfig:
 
     model: str
     tokenizer: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # bfloat16 where the device has native bf16, else float32 (CPU) / float16 (CUDA)
     device: str = "cpu"
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 4096
     block_size: int = 16
@@ -100,8 +104,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict[str, Any] | None = field(default=None)
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not supported; choose one of {sorted(DTYPES)}")
+        requested_dtype, self.dtype = self.dtype, resolve_dtype(self.dtype, self.device)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -119,6 +122,8 @@ class EngineConfig:
         if not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s!r}")
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
+        spec = self.speculative_config
+        if spec is not None:  # the draft's own device decides what "auto" means for it (a copy: no caller mutation)
+            draft_dtype = resolve_dtype(spec.draft_dtype or requested_dtype, spec.draft_device or self.device)
+            self.speculative_config = replace(spec, draft_dtype=draft_dtype)
 
-
-DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}

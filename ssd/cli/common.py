@@ -6,6 +6,7 @@ import argparse
 import logging
 from typing import Any
 
+from ssd.dtypes import DTYPE_NAMES
 from ssd.sampling_params import SamplingParams
 
 
@@ -19,7 +20,8 @@ def _fan_out(value: str) -> int | list[int] | str:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="target checkpoint folder (default: the fetched SmolLM2-135M)")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    g.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
+                   help="auto: bfloat16 where the device computes it natively, else float32 on CPU, float16 on CUDA")
     g.add_argument("--device", default="cpu")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=16)

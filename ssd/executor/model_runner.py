@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ssd.distributed.commands import ForwardCommand
+from ssd.dtypes import resolve_dtype, torch_dtype
 from ssd.executor.attention import KVCache
 from ssd.executor.attention_layout import build_step_tensors
 from ssd.executor.cuda_graphs import GraphRunner, GraphRunnerConfig
@@ -32,8 +33,6 @@ if TYPE_CHECKING:
     from ssd.distributed.comm import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
-
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -64,7 +63,7 @@ class ModelRunner:
         graphs: GraphOptions | None = None,
     ) -> None:
         self.device = torch.device(device)
-        self.dtype = TORCH_DTYPES[dtype]
+        self.dtype = torch_dtype(resolve_dtype(dtype, str(self.device)))
         self.block_size = block_size
         self.tp = tp
         start = time.perf_counter()

@@ -60,7 +60,7 @@ def load_draft_runner(engine: "LLMEngine", extra_tokens_per_seq: int) -> tuple[M
     usable = check_draft_vocabulary(engine, spec.model)  # before paying for loading the weights
     runner = ModelRunner(
         spec.model,
-        spec.draft_dtype or cfg.dtype,
+        spec.draft_dtype,
         spec.draft_device or cfg.device,
         cfg.block_size,
         engine.max_model_len,

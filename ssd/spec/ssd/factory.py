@@ -28,7 +28,7 @@ def build_ssd_proposer(engine: "LLMEngine") -> SSDProposer:
     draft_cpus = engine.layout.draft_cpus  # the engine placed its target ranks on the other cores
     config = WorkerConfig(
         model=spec.model,
-        dtype=spec.draft_dtype or cfg.dtype,
+        dtype=spec.draft_dtype,
         device=device,
         block_size=cfg.block_size,
         max_model_len=engine.max_model_len,
