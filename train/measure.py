@@ -21,11 +21,11 @@ from eval_prompts import CHAT_EVAL, CODE_EVAL  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_sd(target: str, draft: str, prompts: list, k: int, max_tokens: int) -> tuple[float, list[list[int]], float]:
+def run_sd(target: str, draft: str, prompts: list, k: int, max_tokens: int, dtype: str) -> tuple[float, list[list[int]], float]:
     """(mean acceptance length, outputs, wall seconds) over prompts run one at a time (batch 1)."""
     from ssd import LLM, SamplingParams
 
-    llm = LLM(model=target, dtype="bfloat16", kv_cache_memory="512MiB",
+    llm = LLM(model=target, dtype=dtype, kv_cache_memory="512MiB",
               speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": k})
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4))  # warm-up
@@ -39,11 +39,11 @@ def run_sd(target: str, draft: str, prompts: list, k: int, max_tokens: int) -> t
     return emitted / max(drafts, 1), outs, wall
 
 
-def step_time(model: str, prompt: list[int], n: int) -> float:
+def step_time(model: str, prompt: list[int], n: int, dtype: str) -> float:
     """Seconds per decode step of `model` alone (AR, batch 1), after a warm-up."""
     from ssd import LLM, SamplingParams
 
-    llm = LLM(model=model, dtype="bfloat16", kv_cache_memory="512MiB")
+    llm = LLM(model=model, dtype=dtype, kv_cache_memory="512MiB")
     llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     t0 = time.perf_counter()
     llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--num", type=int, default=10, help="prompts per set")
+    ap.add_argument("--dtype", default="auto", help="engine dtype for target and draft (auto: see ssd/dtypes.py)")
     ap.add_argument("--timing", action="store_true", help="also time target and draft decode steps")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads; 1 is several times faster than 2 on the shared, loaded 2-core machine")
@@ -73,13 +74,13 @@ def main() -> None:
         "humaneval_style": [tok.encode(p) for p in CODE_EVAL[: args.num]],
         "chat": [tok.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_EVAL[: args.num]],
     }
-    summary: dict = {"draft": args.draft, "k": args.k, "max_tokens": args.max_tokens}
+    summary: dict = {"draft": args.draft, "k": args.k, "max_tokens": args.max_tokens, "dtype": args.dtype}
     from ssd.models.draft_vocab import DraftVocab
 
     vocab = DraftVocab.load(args.draft)
     known = set(vocab.draft_to_target.tolist()) if vocab is not None else None
     for name, prompts in sets.items():
-        mal, outs, wall = run_sd(target, args.draft, prompts, args.k, args.max_tokens)
+        mal, outs, wall = run_sd(target, args.draft, prompts, args.k, args.max_tokens, args.dtype)
         toks = [t for o in outs for t in o]
         cover = sum(t in known for t in toks) / len(toks) if known is not None else 1.0
         print(f"{name}: mean acceptance length {mal:.3f} ({wall:.1f} s, {len(toks)} tokens, "
@@ -88,8 +89,8 @@ def main() -> None:
         summary[name + "_vocab_coverage"] = round(cover, 4)
     if args.timing:
         p = sets["chat"][0]
-        summary["target_step_s"] = step_time(target, p, 32)
-        summary["draft_step_s"] = step_time(args.draft, p, 32)
+        summary["target_step_s"] = step_time(target, p, 32, args.dtype)
+        summary["draft_step_s"] = step_time(args.draft, p, 32, args.dtype)
         print(f"step time: target {summary['target_step_s'] * 1e3:.1f} ms, draft {summary['draft_step_s'] * 1e3:.1f} ms")
     print(json.dumps(summary))
 
