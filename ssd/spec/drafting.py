@@ -10,7 +10,7 @@ import torch
 from ssd.core.sequence import Sequence
 from ssd.executor.forward_items import ForwardItem
 from ssd.executor.model_runner import ModelRunner
-from ssd.sample.sampler import SamplingTensors, processed_probs, sample
+from ssd.sample.sampler import SamplingTensors, draw_uniforms, processed_probs, sample
 from ssd.sampling_params import SamplingParams
 
 
@@ -27,9 +27,14 @@ class DraftDistribution:
         self.target_vocab_size = target_vocab_size
         self.num_usable_tokens = num_usable_tokens
         self._scatter = None  # reduced draft vocabulary: (draft ids with a target id, their target ids)
+        self._by_target_id = None  # (usable draft ids in ascending target-id order, those target ids)
         if draft_to_target is not None:
             known = draft_to_target >= 0
             self._scatter = (torch.nonzero(known).squeeze(1), draft_to_target[known])
+            draft_ids, target_ids = self._scatter
+            usable = target_ids < num_usable_tokens
+            order = torch.argsort(target_ids[usable])
+            self._by_target_id = (draft_ids[usable][order], target_ids[usable][order])
 
     def masked_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[N, Vd]`` -> ``[N, V]`` over target ids, -inf where the draft cannot propose."""
@@ -58,12 +63,52 @@ class DraftDistribution:
             )
         return cls(target_vocab_size, num_usable_tokens, torch.from_numpy(vocab.draft_to_target).to(runner.device))
 
-    def probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        masked = self.masked_logits(logits)  # [N, V]
-        return processed_probs(masked, SamplingTensors.from_params(params, masked.device))  # [N, V]
+    def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
+        """``argmax(masked_logits(logits))`` as target ids ``[N]`` (lowest target id on ties), computed on the
+        draft's own columns: no ``[N, V]`` row over the target vocabulary is built."""
+        columns, target_ids = self._usable_columns(logits)
+        return target_ids[columns.argmax(dim=-1)]  # [N]
+
+    def top_tokens(self, logits: torch.Tensor, n: int) -> torch.Tensor:
+        """The ``n`` (at most the number of proposable ids) likeliest proposable target ids per row, most
+        likely first: ``[N, n]``, on the draft's own columns like :meth:`greedy_tokens`."""
+        columns, target_ids = self._usable_columns(logits)
+        return target_ids[torch.topk(columns, min(n, columns.shape[-1]), dim=-1).indices]  # [N, n]
+
+    def _usable_columns(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft logits of the proposable ids in ascending target-id order ``[N, U]``, and those ids ``[U]``."""
+        if self._by_target_id is None:
+            columns = logits[:, : self.num_usable_tokens]  # [N, U]
+            return columns, torch.arange(columns.shape[-1], device=logits.device)
+        draft_ids, target_ids = self._by_target_id
+        return logits[:, draft_ids], target_ids
+
+    def draw(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        default_generator: torch.Generator | None,
+        adjust: Adjust | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft token per row of draft ``logits [N, Vd]``: ``(tokens [N], probs [N, V] or None)``.
+
+        ``probs`` are exactly the distributions sampled from (after ``adjust``). When every row is greedy
+        they are one-hot and not built (None): the cheap path that most draft steps of a greedy batch take.
+        Generators advance as in :func:`ssd.sample.sampler.sample` either way.
+        """
+        st = SamplingTensors.from_params(params, logits.device)
+        if st.all_greedy:
+            draw_uniforms(generators, [1] * len(params), 1, logits.device, default_generator)
+            return self.greedy_tokens(logits), None
+        probs = processed_probs(self.masked_logits(logits), st)  # [N, V]
+        if adjust is not None:
+            probs = adjust(logits, probs)
+        return sample(probs, generators, st.greedy, default_generator), probs
 
 
 ProbsHook = Callable[[int, list[int], torch.Tensor, torch.Tensor], torch.Tensor]
+Adjust = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, probs) -> the probs to draw from
 
 
 def draft_sequentially(
@@ -94,14 +139,14 @@ def draft_sequentially(
         items = [ForwardItem(pending[i], positions[i], mirrors[i].block_table, 1) for i in active]
         logits = runner.forward(items)  # [A, Vd]
         params = [mirrors[i].sampling_params for i in active]
-        probs = distribution.probs(logits, params)  # [A, V]
-        if adjust is not None:
-            probs = adjust(step, active, logits, probs)
-        st = SamplingTensors.from_params(params, device)
-        tokens = sample(probs, [generators[i] for i in active], st.greedy, default_generator)  # [A]
+        hook = None if adjust is None else lambda lg, pr: adjust(step, active, lg, pr)
+        tokens, probs = distribution.draw(logits, params, [generators[i] for i in active], default_generator, hook)
         rows = torch.tensor(active, device=device)
-        tokens_out[rows, step] = tokens
-        probs_out[rows, step] = probs
+        tokens_out[rows, step] = tokens  # tokens: [A]
+        if probs is None:
+            probs_out[rows, step, tokens] = 1.0  # all greedy: q is one-hot at the draft
+        else:
+            probs_out[rows, step] = probs  # [A, V]
         for i, token in zip(active, tokens.tolist()):
             positions[i] += len(pending[i])
             pending[i] = [token]

@@ -34,7 +34,6 @@ from ssd.executor.attention_layout import block_slots
 from ssd.executor.forward_items import ForwardItem
 from ssd.executor.model_runner import ModelRunner
 from ssd.sample.saguaro import saguaro_scale
-from ssd.sample.sampler import SamplingTensors, sample
 from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution, draft_sequentially
 
@@ -258,9 +257,7 @@ class DraftEngine:
         fan_out = state.fan_out
         drafts = state.speculation[1:]
         k_max = len(drafts)
-        masked = self.dist.masked_logits(logits)  # [K+1, V]
-        widest = min(max(fan_out[: k_max + 1]) + 1, masked.shape[-1])
-        top = torch.topk(masked, widest, dim=-1).indices.tolist()  # [K+1, F+1]
+        top = self.dist.top_tokens(logits, max(fan_out[: k_max + 1]) + 1).tolist()  # [K+1, F+1]
         branches = []
         for k in range(k_max + 1):
             f = fan_out[k] if k < len(fan_out) else 0
@@ -291,10 +288,10 @@ class DraftEngine:
                 params.extend([states[i].mirror.sampling_params] * m)
                 generators.extend([states[i].generator] * m)
                 scaled.extend([_at(states[i].fan_out, j)] * m)
-            probs = self.dist.probs(logits, params)  # [sum M, V]
-            probs = self._saguaro(probs, logits, params, scaled)
-            st = SamplingTensors.from_params(params, logits.device)
-            tokens = sample(probs, generators, st.greedy, None).tolist()
+            tokens_t, probs = self.dist.draw(  # probs: [sum M, V], None when all rows are greedy
+                logits, params, generators, None, lambda lg, pr: self._saguaro(pr, lg, params, scaled)
+            )
+            tokens = tokens_t.tolist()
             offset = 0
             for i in owners:
                 m = len(branches[i])
