@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ssd.dtypes import DTYPE_NAMES, resolve_dtype
+from ssd.spec.ssd.fanout import is_auto_spec
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNIT_POWER = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}
@@ -42,8 +43,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     draft_dtype: str | None = None  # default: the target's dtype; "auto" resolves for the draft's device
     # SSD only
-    fan_out: int | list[int] | str = 2
+    fan_out: int | list[int] | str = "auto"  # geometric allocation, budget steered by BudgetController
     fan_out_miss: int | list[int] | str | None = None
+    fan_out_budget: int | None = None  # branches per sequence of "auto" fan-outs; None: adapted online
     fallback: str = "jit"
     saguaro_c: float = 1.0
     draft_device: str | None = None
@@ -69,6 +71,11 @@ class SpeculativeConfig:
             raise ValueError("speculative_config needs 'model': the path of the draft checkpoint")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
+        if self.fan_out_budget is not None:
+            if isinstance(self.fan_out_budget, bool) or not isinstance(self.fan_out_budget, int) or self.fan_out_budget < 1:
+                raise ValueError(f"fan_out_budget must be an integer >= 1 or None, got {self.fan_out_budget!r}")
+            if not any(is_auto_spec(f) for f in (self.fan_out, self.fan_out_miss)):
+                raise ValueError("fan_out_budget only applies to fan_out='auto' or fan_out_miss='auto'")
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
         if not (0.0 < float(self.saguaro_c) <= 1.0):

@@ -7,6 +7,7 @@ import pytest
 
 from ssd.spec.ssd.fanout import (
     AcceptanceEstimator,
+    BudgetController,
     FanOut,
     FanOutPolicy,
     acceptance_length_probs,
@@ -15,6 +16,7 @@ from ssd.spec.ssd.fanout import (
     expected_tokens_per_round,
     geometric_fan_out,
     largest_remainder,
+    max_fan_out_budget,
     parse_fan_out,
 )
 
@@ -191,6 +193,74 @@ def test_auto_policy_follows_the_estimator():
     assert p1.estimator is p2.estimator is shared
 
 
+def test_auto_policy_budget_can_change_and_fixed_cannot():
+    policy = parse_fan_out("auto", K=4)
+    for _ in range(2000):
+        policy.estimator.observe_round(4, 0)
+    assert policy.current() == [10, 0, 0, 0, 0]
+    policy.set_budget(17)
+    assert policy.budget == 17 and policy.current() == [17, 0, 0, 0, 0]  # the cached allocation is redone
+    with pytest.raises(ValueError, match="no adjustable budget"):
+        parse_fan_out(2, K=4).set_budget(12)
+    with pytest.raises(ValueError, match="budget must be an integer >= 1"):
+        policy.set_budget(0)
+
+
+# ------------------------------------------------------------------------------------------------
+# adaptive budget
+
+
+def test_budget_controller_grows_holds_and_shrinks_exactly():
+    ctl = BudgetController(K=4)
+    assert (ctl.minimum, ctl.budget, ctl.maximum) == (5, 10, 30)
+    assert ctl.observe(build_s=0.050, idle_s=0.006) == 11  # idle 12% of the build: one more branch
+    assert ctl.observe(build_s=0.050, idle_s=0.004) == 11  # 8%: hold
+    assert ctl.observe(build_s=0.050, idle_s=0.0001) == 10  # request already waiting: shrink by 11 // 8 = 1
+    for _ in range(40):
+        ctl.observe(0.050, 0.010)
+    assert ctl.budget == 30  # capped
+    assert ctl.observe(0.050, 0.0) == 27  # an eighth of 30, rounded down
+    for _ in range(40):
+        ctl.observe(0.050, 0.0)
+    assert ctl.budget == 5  # never below K + 1: one candidate per acceptance length
+
+
+def test_budget_controller_follows_the_verification_time():
+    """Simulated rounds: a build costs 40 ms + 1 ms per branch. With 60 ms verifications the controller
+    climbs while the idle time exceeds 10% of the build, i.e. to b = 15 (idle 5 ms < 5.5 ms), never late.
+    When verification drops to 50 ms (a shorter batch), builds of 15 branches are late and it backs off."""
+    ctl = BudgetController(K=4, maximum=64)
+
+    def run(verify_s: float, rounds: int) -> tuple[list[int], int]:
+        history, late = [], 0
+        for _ in range(rounds):
+            build = 0.040 + 0.001 * ctl.budget
+            idle = max(0.0, verify_s - build)
+            late += idle < BudgetController.LATE_S
+            history.append(ctl.observe(build, idle))
+        return history, late
+
+    history, late = run(0.060, 100)
+    assert history[-10:] == [15] * 10 and late == 0
+    history, late = run(0.050, 100)
+    assert max(history[-50:]) <= 10 and late >= 1  # 40 + b ms must fit in 50 ms
+    assert min(history[-50:]) >= 8
+
+
+def test_budget_controller_validation():
+    with pytest.raises(ValueError, match="below K \\+ 1"):
+        BudgetController(K=4, maximum=3)
+    assert BudgetController(K=2, maximum=4).budget == 4  # starts at min(2 (K + 1), maximum)
+
+
+def test_max_fan_out_budget():
+    assert max_fan_out_budget("4,2,1,1,0", K=4, budget=None) == 8
+    assert max_fan_out_budget(3, K=4, budget=None) == 15
+    assert max_fan_out_budget("auto", K=4, budget=None) == BudgetController.max_budget(4) == 30
+    assert max_fan_out_budget("auto", K=4, budget=40) == 40
+    assert max_fan_out_budget(2, K=4, budget=40) == 10  # a fixed spec ignores the auto budget
+
+
 # ------------------------------------------------------------------------------------------------
 # online estimator
 
@@ -365,3 +435,32 @@ def test_choose_fallback_errors(override, match):
     ) | override
     with pytest.raises(ValueError, match=match):
         choose_fallback(**args)
+
+
+# ------------------------------------------------------------------------------------------------
+# the draft worker's planner
+
+
+def _worker_config(**overrides):
+    from ssd.spec.ssd.worker import WorkerConfig
+
+    fields = dict(model="unused", dtype="float32", device="cpu", block_size=16, max_model_len=64, num_blocks=8,
+                  enable_prefix_caching=True, target_vocab_size=32, num_usable_tokens=32,
+                  num_speculative_tokens=4, fan_out="auto", fan_out_miss=None, fan_out_budget=None,
+                  saguaro_c=1.0, seed=0, num_threads=None, cpu_affinity=None)
+    return WorkerConfig(**{**fields, **overrides})
+
+
+def test_planner_steers_the_budget_of_auto_policies_only():
+    from ssd.spec.ssd.worker import FanOutPlanner
+
+    planner = FanOutPlanner(_worker_config(fan_out="4,2,1,1,0", fan_out_miss="auto"))
+    assert sum(planner.current(hit=True)) == 8 and sum(planner.current(hit=False)) == 10
+    planner.observe_timing(build_s=0.05, idle_s=0.02)
+    assert sum(planner.current(hit=True)) == 8 and sum(planner.current(hit=False)) == 11
+    planner.observe_timing(build_s=0.05, idle_s=0.0)
+    assert sum(planner.current(hit=False)) == 10
+
+    fixed_budget = FanOutPlanner(_worker_config(fan_out_budget=20))
+    fixed_budget.observe_timing(build_s=0.05, idle_s=0.0)  # a user-given budget is never steered
+    assert sum(fixed_budget.current(hit=True)) == sum(fixed_budget.current(hit=False)) == 20

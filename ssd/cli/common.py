@@ -37,8 +37,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--draft", default=None, help="draft checkpoint folder; enables speculation")
     s.add_argument("--method", default="ssd", choices=["ssd", "draft_model"], help="with --draft (default ssd)")
     s.add_argument("--k", type=int, default=4, help="draft tokens per round (lookahead K)")
-    s.add_argument("--fan-out", type=_fan_out, default=2, help="SSD fan-out: an int, a comma list per k, or auto")
+    s.add_argument("--fan-out", type=_fan_out, default="auto", help="SSD fan-out: an int, a comma list per k, or auto")
     s.add_argument("--fan-out-miss", type=_fan_out, default=None, help="SSD fan-out for rounds after a miss")
+    s.add_argument("--fan-out-budget", type=int, default=None,
+                   help="branches per sequence of 'auto' fan-outs (default: adapted so the draft keeps up)")
     s.add_argument("--fallback", default="jit", choices=["jit", "random", "auto"])
     s.add_argument("--saguaro-c", type=float, default=1.0)
     s.add_argument("--draft-device", default=None)
@@ -77,6 +79,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             spec.update(
                 fan_out=args.fan_out,
                 fan_out_miss=args.fan_out_miss,
+                fan_out_budget=args.fan_out_budget,
                 fallback=args.fallback,
                 saguaro_c=args.saguaro_c,
                 draft_device=args.draft_device,

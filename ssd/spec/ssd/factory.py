@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from ssd.executor.model_runner import GraphOptions
 from ssd.spec.factory import check_draft_vocabulary, draft_num_blocks
 from ssd.spec.ssd.client import SSDProposer
-from ssd.spec.ssd.fanout import parse_fan_out
+from ssd.spec.ssd.fanout import max_fan_out_budget
 from ssd.spec.ssd.worker import WorkerConfig
 
 if TYPE_CHECKING:
@@ -22,7 +22,7 @@ def build_ssd_proposer(engine: "LLMEngine") -> SSDProposer:
     spec, cfg = engine.spec, engine.config
     K = spec.num_speculative_tokens
     # Validate everything the worker would reject before paying for a process start.
-    budget = max(sum(parse_fan_out(f, K).current()) for f in (spec.fan_out, spec.fan_out_miss or spec.fan_out))
+    budget = max(max_fan_out_budget(f, K, spec.fan_out_budget) for f in (spec.fan_out, spec.fan_out_miss or spec.fan_out))
     usable = check_draft_vocabulary(engine, spec.model)
     device = spec.draft_device or cfg.device
     draft_cpus = engine.layout.draft_cpus  # the engine placed its target ranks on the other cores
@@ -39,6 +39,7 @@ def build_ssd_proposer(engine: "LLMEngine") -> SSDProposer:
         num_speculative_tokens=K,
         fan_out=spec.fan_out,
         fan_out_miss=spec.fan_out_miss,
+        fan_out_budget=spec.fan_out_budget,
         saguaro_c=spec.saguaro_c,
         seed=cfg.seed,
         num_threads=spec.draft_threads,

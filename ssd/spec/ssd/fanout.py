@@ -170,7 +170,7 @@ class FanOutPolicy:
             self.budget = _check_budget((self.K + 1) * 2 if budget is None else budget)
         self.fixed = fixed
         self.estimator = estimator if estimator is not None else AcceptanceEstimator()
-        self._cache: tuple[int, list[int]] | None = None
+        self._cache: tuple[int, int, list[int]] | None = None  # (estimator version, budget, fan-out)
 
     @property
     def is_auto(self) -> bool:
@@ -181,18 +181,81 @@ class FanOutPolicy:
         if self.fixed is not None:
             return self.fixed.as_list()
         version = self.estimator.version
-        if self._cache is None or self._cache[0] != version:
+        if self._cache is None or self._cache[:2] != (version, self.budget):
             est = self.estimator
             fan_out = geometric_fan_out(est.acceptance_rate, est.miss_exponent, self.K, self.budget)
-            self._cache = (version, fan_out)
+            self._cache = (version, self.budget, fan_out)
             logger.debug(
-                "auto fan-out a=%.3f r=%.3f -> %s", est.acceptance_rate, est.miss_exponent, fan_out
+                "auto fan-out a=%.3f r=%.3f budget=%d -> %s",
+                est.acceptance_rate, est.miss_exponent, self.budget, fan_out,
             )
-        return list(self._cache[1])
+        return list(self._cache[2])
+
+    def set_budget(self, budget: int) -> None:
+        """A new branch budget for an "auto" policy (see `BudgetController`); fixed fan-outs keep theirs."""
+        if self.fixed is not None:
+            raise ValueError(f"the fixed fan-out {self.fixed.as_list()} has no adjustable budget")
+        self.budget = _check_budget(budget)
 
     def __repr__(self) -> str:
         kind = "auto" if self.is_auto else self.fixed.as_list()  # type: ignore[union-attr]
         return f"FanOutPolicy(K={self.K}, {kind}, budget={self.budget})"
+
+
+class BudgetController:
+    """Steers the branch budget of "auto" fan-outs so the cache build ends before the next request arrives.
+
+    Branches are nearly free while a draft step is bound by reading its weights (a CPU core, or a GPU at
+    small batch) and cost in proportion once it is compute bound; where that turns depends on the hardware,
+    the batch size and the draft. So the budget follows the one quantity that matters: whether the target
+    had to wait for the draft. After every cache build the worker reports how long the build took and how
+    long the draft then sat idle until the next SPECULATE request (`observe`):
+
+    - idle < `LATE_S`: the request was already waiting, so the build was on the critical path: the budget
+      shrinks by an eighth (at least one branch);
+    - idle > `GROW_SHARE` x build time: there is room, the budget grows by one branch;
+    - otherwise it holds.
+
+    The budget stays within [K + 1, `maximum`] (default `ADAPTIVE_BUDGET_PER_K` x (K + 1), which also sizes
+    the draft's scratch KV) and starts at 2 (K + 1), the default fixed budget.
+    """
+
+    LATE_S = 2e-4
+    GROW_SHARE = 0.1
+    ADAPTIVE_BUDGET_PER_K = 6
+
+    def __init__(self, K: int, maximum: int | None = None) -> None:
+        K = _check_lookahead(K)
+        self.minimum = K + 1
+        self.maximum = _check_budget(maximum) if maximum is not None else self.max_budget(K)
+        if self.maximum < self.minimum:
+            raise ValueError(f"maximum budget {self.maximum} is below K + 1 = {self.minimum}")
+        self.budget = min(2 * (K + 1), self.maximum)
+
+    @classmethod
+    def max_budget(cls, K: int) -> int:
+        return cls.ADAPTIVE_BUDGET_PER_K * (_check_lookahead(K) + 1)
+
+    def observe(self, build_s: float, idle_s: float) -> int:
+        """Update from one round's cache-build time and the idle time that followed; returns the budget."""
+        if idle_s < self.LATE_S:
+            self.budget = max(self.minimum, self.budget - max(1, self.budget // 8))
+        elif idle_s > self.GROW_SHARE * build_s:
+            self.budget = min(self.maximum, self.budget + 1)
+        return self.budget
+
+
+def max_fan_out_budget(spec: int | Sequence[int] | str, K: int, budget: int | None) -> int:
+    """The most branches per sequence a fan-out spec can ever ask for (sizes the draft's scratch KV):
+    its sum when fixed, `budget` for "auto" with a fixed budget, else the adaptive maximum."""
+    policy = parse_fan_out(spec, K, budget if is_auto_spec(spec) else None)
+    if policy.is_auto and budget is None:
+        return BudgetController.max_budget(K)
+    return policy.budget
+
+
+def is_auto_spec(spec: object) -> bool:
+    return isinstance(spec, str) and spec.strip().lower() == AUTO
 
 
 def parse_fan_out(
@@ -210,10 +273,10 @@ def parse_fan_out(
     """
     K = _check_lookahead(K)
     allowed = f"an int >= 1, a list of K + 1 = {K + 1} ints >= 0 (at least one > 0), or 'auto'"
+    if is_auto_spec(spec):
+        return FanOutPolicy(K, budget=budget, estimator=estimator)
     if isinstance(spec, str):
         text = spec.strip().lower()
-        if text == AUTO:
-            return FanOutPolicy(K, budget=budget, estimator=estimator)
         try:
             parts = [int(p) for p in text.split(",")]
         except ValueError:

@@ -24,7 +24,7 @@ from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution
 from ssd.spec.ssd import protocol as wire
 from ssd.spec.ssd.draft_engine import JIT, RANDOM, DraftEngine, SpeculateRow
-from ssd.spec.ssd.fanout import parse_fan_out
+from ssd.spec.ssd.fanout import BudgetController, is_auto_spec, parse_fan_out
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class WorkerConfig:
     num_speculative_tokens: int
     fan_out: int | list[int] | str
     fan_out_miss: int | list[int] | str | None
+    fan_out_budget: int | None  # branches per sequence of "auto" fan-outs; None: BudgetController steers it
     saguaro_c: float
     seed: int
     num_threads: int | None
@@ -75,9 +76,22 @@ class FanOutPlanner:
 
     def __init__(self, config: WorkerConfig) -> None:
         K = config.num_speculative_tokens
-        self.hit = parse_fan_out(config.fan_out, K)
+        budget = config.fan_out_budget
         miss = config.fan_out_miss if config.fan_out_miss is not None else config.fan_out
-        self.miss = parse_fan_out(miss, K)
+        self.hit, self.miss = (parse_fan_out(f, K, budget if is_auto_spec(f) else None) for f in (config.fan_out, miss))
+        self.auto = [p for p in (self.hit, self.miss) if p.is_auto]
+        self.budget = BudgetController(K) if self.auto and budget is None else None
+        if self.budget is not None:
+            self._set_budget(self.budget.budget)
+
+    def observe_timing(self, build_s: float, idle_s: float) -> None:
+        """The last cache build took `build_s`, then the draft idled `idle_s` until this request."""
+        if self.budget is not None:
+            self._set_budget(self.budget.observe(build_s, idle_s))
+
+    def _set_budget(self, budget: int) -> None:
+        for policy in self.auto:
+            policy.set_budget(budget)
 
     def observe(self, served_by_hit: bool, k: int, num_drafts: int, hit: bool, fan_out_k: int) -> None:
         """The policy that planned the cache just looked up learns from the round and the lookup."""
@@ -103,9 +117,15 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
         return
     conn.send_bytes(wire.ReadyMsg().pack())
     last_plan: dict[int, tuple[bool, int, list[int]]] = {}  # seq_id -> (served by a hit, K_i, F_0..F_K)
+    built_at: float | None = None  # when the last cache build ended, if no other message came since
     try:
         while True:
-            msg = wire.decode_message(conn.recv_bytes())
+            data = conn.recv_bytes()
+            arrived = time.perf_counter()
+            msg = wire.decode_message(data)
+            if isinstance(msg, wire.SpeculateMsg) and built_at is not None and engine.last_build.num_branches:
+                planner.observe_timing(engine.last_build.seconds, arrived - built_at)
+            built_at = None
             if isinstance(msg, wire.ShutdownMsg):
                 return
             if isinstance(msg, wire.PingMsg):
@@ -121,6 +141,7 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
                     last_plan.pop(seq_id, None)
             elif isinstance(msg, wire.SpeculateMsg):
                 _serve(conn, engine, planner, msg, last_plan)
+                built_at = time.perf_counter()
     except (EOFError, OSError):
         logger.warning("target side closed the connection; draft worker exiting")
     except Exception as exc:  # tell the client (it continues without speculation) rather than vanish
