@@ -268,6 +268,9 @@ def run_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
         # SSD: the draft worker's cache build for the next round, overlapped with the target's verify
         "draft_build_ms_per_round": per_round_ms([x["spec"].get("draft_build_time_s", 0.0) for x in runs],
                                                  [x["propose_calls"] for x in runs]),
+        # SSD: tree branches built per sequence and round (the 'auto' fan-out steers this)
+        "branches_per_sequence_round": ratio(sum(x["spec"].get("draft_build_branches", 0.0) for x in runs),
+                                             sum(x["spec"].get("cache_lookups", 0.0) for x in runs)),
     }
 
 
@@ -339,7 +342,7 @@ def report(result: dict[str, Any]) -> None:
     for note in result["notes"]:
         print(f"note: {note}")
     headers = ["mode", "config", "tok/s", "vs AR", "vs SD", "MAL", "hit", "verify ms (cpu)", "draft wait ms",
-               "draft build ms", "exact", "CPU share (draft)", "RSS MiB (+draft)"]
+               "draft build ms", "branches", "exact", "CPU share (draft)", "RSS MiB (+draft)"]
     for layout_name, by_batch in result["layouts"].items():
         for batch, rows in by_batch.items():
             table = []
@@ -350,6 +353,7 @@ def report(result: dict[str, Any]) -> None:
                               fmt_share(m["verify_ms_per_round"], m["verify_cpu_ms_per_round"], 1),
                               m["draft_wait_ms_per_round"],
                               m["draft_build_ms_per_round"] if mode.startswith("ssd") else None,
+                              m["branches_per_sequence_round"] if mode.startswith("ssd") else None,
                               m["exact"], fmt_share(m["cpu_share"], m["draft_cpu_share"]), rss])
             print_table(headers, table, title=f"{layout_name}, batch {batch[1:]} (decode tok/s, medians; "
                                               "ms are per verification round)")

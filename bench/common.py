@@ -395,6 +395,7 @@ SPEC_COUNTERS = (
     "cache_hits",
     "rounds_on_hit",
     "rounds_on_miss",
+    "draft_build_branches",
 )
 
 

@@ -112,10 +112,12 @@ class LLMEngine:
 
     @property
     def spec_stats(self) -> SpecStats:
-        """Engine-wide speculative counters, with the draft worker's cache-build time when it has one."""
+        """Engine-wide speculative counters, with the draft worker's cache-build time and branches when it
+        has them."""
         build_time = getattr(self.proposer, "draft_build_time_s", None)
         if build_time is not None:
             self.stats.draft_build_time_s = build_time
+            self.stats.draft_build_branches = self.proposer.draft_build_branches
         return self.stats
 
     # ---------------------------------------------------------------- requests

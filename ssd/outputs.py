@@ -26,6 +26,7 @@ class SpecStats:
     accepted_on_miss: int = 0
     rounds_on_miss: int = 0
     draft_build_time_s: float = 0.0
+    draft_build_branches: int = 0  # SSD tree branches built (all sequences, all rounds)
     verify_time_s: float = 0.0
     draft_critical_time_s: float = 0.0  # time the target waited for the draft
 

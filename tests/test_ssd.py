@@ -190,6 +190,10 @@ def test_draft_equal_to_target_hits_every_round_and_accepts_everything(models):
         total = llm.stats
         assert total.cache_hits == total.cache_lookups - len(PROMPTS)
         assert total.num_accepted_tokens == total.num_draft_tokens
+        # F = 1: a build after a speculation of n drafts has n + 1 branches (one per k). Each reply reports
+        # the build before it, so the build after the very last speculation is never counted.
+        built = sum(n + 1 for params in GREEDY for n in _full_acceptance_rounds(params.max_tokens, K))
+        assert built - (K + 1) <= total.draft_build_branches <= built
         _no_children_after_shutdown(llm, llm.engine.proposer.pid)
 
 

@@ -61,6 +61,7 @@ def _speculation(B=3, K=4, V=11, rows=(2, 0), seed=0) -> SpeculationMsg:
         prob_rows=np.asarray(rows, dtype=np.int32),
         probs=probs,
         cache_build_s=0.0123,
+        cache_branches=37,
         serve_s=1e-4,
     )
 
@@ -111,6 +112,7 @@ def test_speculation_round_trip_with_some_prob_rows():
     assert isinstance(out, SpeculationMsg)
     _assert_arrays_equal(msg, out, SpeculationMsg.ARRAYS)
     assert out.round_id == 2**40 + 5 and out.cache_build_s == 0.0123 and out.serve_s == 1e-4
+    assert out.cache_branches == 37
     assert out.hit.tolist() == [True, False, False]
     assert out.fallback.tolist() == [FallbackKind.NONE, FallbackKind.JIT, FallbackKind.RANDOM]
     dense = out.dense_probs()

@@ -58,6 +58,7 @@ class SSDProposer:
         self.vocab_size = config.target_vocab_size
         self.K = config.num_speculative_tokens
         self.draft_build_time_s = 0.0  # total time the worker spent building speculation caches
+        self.draft_build_branches = 0  # tree branches of those builds
         self.available = True
         self.failure: str | None = None
         self._told: dict[int, int] = {}  # seq_id -> tokens the worker has been sent
@@ -163,6 +164,7 @@ class SSDProposer:
 
     def _account(self, proposal: Proposal, reply) -> None:
         self.draft_build_time_s += reply.cache_build_s
+        self.draft_build_branches += reply.cache_branches
         if not all(proposal.cache_hit):
             self._timing.update("jit_s", reply.serve_s)
         for hit in proposal.cache_hit:

@@ -248,12 +248,14 @@ class SpeculationMsg(WireMessage):
     prob_rows: np.ndarray  # [S] int32, distinct rows in [0, B)
     probs: np.ndarray  # [S, K, V] float32
     cache_build_s: float = 0.0  # how long the worker's last cache build took
+    cache_branches: int = 0  # tree branches of that build, all sequences together
     serve_s: float = 0.0  # time the worker spent serving this request
 
     def _validate(self) -> None:
         owner = "SpeculationMsg"
         self.round_id = check_int(owner, "round_id", self.round_id)
         self.cache_build_s = check_float(owner, "cache_build_s", self.cache_build_s)
+        self.cache_branches = check_int(owner, "cache_branches", self.cache_branches)
         self.serve_s = check_float(owner, "serve_s", self.serve_s)
         B, K = self.draft_tokens.shape
         check_rows(owner, B, self, ("hit", "fallback"))

@@ -23,7 +23,7 @@ from ssd.executor.model_runner import GraphOptions, ModelRunner
 from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution
 from ssd.spec.ssd import protocol as wire
-from ssd.spec.ssd.draft_engine import JIT, RANDOM, DraftEngine, SpeculateRow
+from ssd.spec.ssd.draft_engine import JIT, RANDOM, BuildStats, DraftEngine, SpeculateRow
 from ssd.spec.ssd.fanout import BudgetController, is_auto_spec, parse_fan_out
 
 logger = logging.getLogger(__name__)
@@ -80,14 +80,14 @@ class FanOutPlanner:
         miss = config.fan_out_miss if config.fan_out_miss is not None else config.fan_out
         self.hit, self.miss = (parse_fan_out(f, K, budget if is_auto_spec(f) else None) for f in (config.fan_out, miss))
         self.auto = [p for p in (self.hit, self.miss) if p.is_auto]
-        self.budget = BudgetController(K) if self.auto and budget is None else None
-        if self.budget is not None:
-            self._set_budget(self.budget.budget)
+        self.controller = BudgetController(K) if self.auto and budget is None else None
+        if self.controller is not None:
+            self._set_budget(self.controller.budget)
 
     def observe_timing(self, build_s: float, idle_s: float) -> None:
         """The last cache build took `build_s`, then the draft idled `idle_s` until this request."""
-        if self.budget is not None:
-            self._set_budget(self.budget.observe(build_s, idle_s))
+        if self.controller is not None:
+            self._set_budget(self.controller.observe(build_s, idle_s))
 
     def _set_budget(self, budget: int) -> None:
         for policy in self.auto:
@@ -161,7 +161,7 @@ def _serve(conn, engine: DraftEngine, planner: FanOutPlanner, msg, last_plan) ->
     fallback = RANDOM if msg.fallback == wire.FallbackKind.RANDOM else JIT
     results = engine.speculate(rows, fallback)
     reply = speculation_message(msg.round_id, results, engine.K, engine.dist.target_vocab_size,
-                                engine.last_build.seconds, time.perf_counter() - start)
+                                engine.last_build, time.perf_counter() - start)
     conn.send_bytes(reply.pack())
     # The reply is out: from here on the draft works while the target verifies.
     fan_outs = {}
@@ -177,7 +177,7 @@ def _serve(conn, engine: DraftEngine, planner: FanOutPlanner, msg, last_plan) ->
 
 
 def speculation_message(
-    round_id: int, results, K: int, vocab: int, build_s: float, serve_s: float
+    round_id: int, results, K: int, vocab: int, build: BuildStats, serve_s: float
 ) -> wire.SpeculationMsg:
     tokens = np.zeros((len(results), K), dtype=np.int64)  # [B, K]
     prob_rows, probs = [], []
@@ -195,7 +195,8 @@ def speculation_message(
         fallback=np.array([_FALLBACK_KIND[r.fallback] for r in results], dtype=np.uint8),
         prob_rows=np.array(prob_rows, dtype=np.int32),
         probs=torch.stack(probs).numpy() if probs else np.zeros((0, K, vocab), dtype=np.float32),
-        cache_build_s=build_s,
+        cache_build_s=build.seconds,
+        cache_branches=build.num_branches,
         serve_s=serve_s,
     )
 
