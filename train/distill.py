@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from make_data import continuation_files
+from make_data import continuation_files, sampled_files
 
 
 logger = logging.getLogger("distill")
@@ -74,18 +74,22 @@ class Example:
 
 
 def load_examples(data: Path) -> tuple[list[Example], list[Example], list[Example]]:
-    """(train gen, validation, train stdlib); validation is every 8th generated record and 16th stdlib chunk."""
+    """(train gen, validation, train stdlib). Validation: the greedy continuations of every 8th prompt and
+    every 16th stdlib chunk; sampled continuations of those prompts are not used at all."""
     gen_train, gen_val, lib = [], [], []
-    records = [r for f in continuation_files(data) for r in torch.load(f)]
-    for i, r in enumerate(records):
-        n = len(r["output"])
-        if n < 2:
-            continue
-        n = min(n, MAX_LEN)
-        start = len(r["prompt"]) - 1  # position start + j predicts output[j]
-        ids = r["prompt"] + r["output"][: n - 1]
-        ex = Example(ids, start, r["top_ids"][:n], r["top_lp"][:n])
-        (gen_val if i % 8 == 0 else gen_train).append(ex)
+    greedy = [(i, r) for i, r in enumerate(r for f in continuation_files(data) for r in torch.load(f))]
+    sampled = [(start + j, r) for f, start in sampled_files(data) for j, r in enumerate(torch.load(f))]
+    for kind, records in (("greedy", greedy), ("sampled", sampled)):
+        for prompt_index, r in records:
+            n = min(len(r["output"]), MAX_LEN)
+            if n < 2:
+                continue
+            start = len(r["prompt"]) - 1  # position start + j predicts output[j]
+            ex = Example(r["prompt"] + r["output"][: n - 1], start, r["top_ids"][:n], r["top_lp"][:n])
+            if prompt_index % 8 != 0:
+                gen_train.append(ex)
+            elif kind == "greedy":
+                gen_val.append(ex)
     f = data / "stdlib.pt"
     if f.exists():
         for i, r in enumerate(torch.load(f)):
@@ -96,7 +100,8 @@ def load_examples(data: Path) -> tuple[list[Example], list[Example], list[Exampl
 
 
 def data_stamp(data: Path) -> tuple:
-    return tuple((f.name, f.stat().st_mtime) for f in continuation_files(data))
+    files = continuation_files(data) + [f for f, _ in sampled_files(data)]
+    return tuple((f.name, f.stat().st_mtime) for f in files)
 
 
 def collate(batch: list[Example], t2d: torch.Tensor, unknown: int):

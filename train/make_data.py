@@ -39,9 +39,15 @@ def target_path() -> str:
 
 
 def continuation_files(data: Path) -> list[Path]:
-    """The continuation files in a stable order: ``gen.pt``, ``hfgen.pt``, then ``hfgen_<start>.pt`` parts."""
+    """The greedy continuation files in a stable order: ``gen.pt``, ``hfgen.pt``, then ``hfgen_<start>.pt``
+    parts. Concatenated, record i continues shuffled prompt i."""
     names = [data / "gen.pt", data / "hfgen.pt", *sorted(data.glob("hfgen_*.pt"))]
     return [f for f in names if f.exists()]
+
+
+def sampled_files(data: Path) -> list[tuple[Path, int]]:
+    """Sampled continuation files (``hfsample_t<100 T>_<start>.pt``) with the index of their first prompt."""
+    return [(f, int(f.stem.rsplit("_", 1)[1])) for f in sorted(data.glob("hfsample_t*_*.pt"))]
 
 
 def stage_gen(out: Path, max_tokens: int, batch: int, budget_s: float, seed: int) -> None:
@@ -80,9 +86,13 @@ def stage_gen(out: Path, max_tokens: int, batch: int, budget_s: float, seed: int
     llm.shutdown()
 
 
-def stage_hfgen(out: Path, max_tokens: int, batch: int, budget_s: float, seed: int, start: int) -> None:
+def stage_hfgen(out: Path, max_tokens: int, batch: int, budget_s: float, seed: int, start: int,
+                temperature: float = 0.0) -> None:
     """Like ``gen`` but with transformers' batched generate in fp32 (much faster here than per-sequence
-    paged decoding under CPU contention); covers the shuffled prompts from index ``start`` on."""
+    paged decoding under CPU contention); covers the shuffled prompts from index ``start`` on.
+
+    ``temperature > 0`` samples the continuations instead (more contexts per prompt for the draft to learn
+    from); the soft labels stay the target's unscaled next-token distribution at every position."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = target_path()
@@ -94,7 +104,11 @@ def stage_hfgen(out: Path, max_tokens: int, batch: int, budget_s: float, seed: i
     prompts += stubs
     random.Random(seed).shuffle(prompts)
     prompts = prompts[start:]
-    dest = out / ("hfgen.pt" if start == 0 else f"hfgen_{start:05d}.pt")  # parts never overwrite each other
+    if temperature > 0:
+        dest = out / f"hfsample_t{round(temperature * 100):03d}_{start:05d}.pt"
+    else:
+        dest = out / ("hfgen.pt" if start == 0 else f"hfgen_{start:05d}.pt")  # parts never overwrite each other
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     records = []
     t0 = time.time()
@@ -102,8 +116,8 @@ def stage_hfgen(out: Path, max_tokens: int, batch: int, budget_s: float, seed: i
     for s in range(0, len(prompts), batch):
         enc = tok(prompts[s : s + batch], return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.inference_mode():
-            res = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False, return_dict_in_generate=True,
-                                 output_logits=True, eos_token_id=eos, pad_token_id=eos)
+            res = model.generate(**enc, max_new_tokens=max_tokens, return_dict_in_generate=True, output_logits=True,
+                                 eos_token_id=eos, pad_token_id=eos, **sampling)
         width = enc["input_ids"].shape[1]
         lp = torch.log_softmax(torch.stack(res.logits, dim=1).float(), dim=-1)  # [B, T, V]
         val, idx = lp.topk(TOPK, dim=-1)  # [B, T, K]
@@ -192,6 +206,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["gen", "hfgen", "stdlib", "vocab"])
     ap.add_argument("--start", type=int, default=0, help="hfgen: first shuffled prompt to cover")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="hfgen: sample continuations at this temperature (0: greedy)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "data"))
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--batch", type=int, default=32)
@@ -210,7 +226,7 @@ def main() -> None:
     if args.stage == "gen":
         stage_gen(out, args.max_tokens, args.batch, args.budget_s, args.seed)
     elif args.stage == "hfgen":
-        stage_hfgen(out, args.max_tokens, args.batch, args.budget_s, args.seed, args.start)
+        stage_hfgen(out, args.max_tokens, args.batch, args.budget_s, args.seed, args.start, args.temperature)
     elif args.stage == "stdlib":
         stage_stdlib(out, args.num_chunks, args.chunk_len, args.seed, args.budget_s)
     else:
