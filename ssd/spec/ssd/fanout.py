@@ -8,7 +8,8 @@ Model (from the SSD paper): acceptance length is geometric with truncation, P(k)
 P(K) = a^K; with F candidates at one k the miss rate is 1 - hit(F) = F^(-r). Minimising the expected miss
 rate sum_k P(k) F_k^(-r) under sum_k F_k = M gives F_k proportional to P(k)^(1/(1+r)). Both a and r drift
 with the prompt and the sampling options, so "auto" re-estimates them online from the engine's own
-counters (`AcceptanceEstimator`).
+counters (`AcceptanceEstimator`). Unless the user fixes M, "auto" also steers M itself from the draft's own
+timing (`BudgetController`): as many branches as fit before the target's verification ends.
 
 Everything here is pure Python (no torch): it runs on the critical path of every round and is unit tested
 with exact values.
