@@ -13,7 +13,6 @@ import itertools
 import logging
 import multiprocessing as mp
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,7 +20,7 @@ import torch
 from ssd.core.sequence import Sequence
 from ssd.spec.proposal import Proposal, ProposalRequest, VerifiedRound
 from ssd.spec.ssd import protocol as wire
-from ssd.spec.ssd.fanout import choose_fallback, expected_tokens_per_round
+from ssd.spec.ssd.fallback_policy import FallbackPolicy
 from ssd.spec.ssd.worker import WorkerConfig, run_draft_worker
 
 logger = logging.getLogger(__name__)
@@ -29,19 +28,6 @@ logger = logging.getLogger(__name__)
 
 class DraftWorkerError(RuntimeError):
     pass
-
-
-@dataclass
-class _Timing:
-    """Exponentially weighted means used by the ``auto`` fallback policy."""
-
-    verify_s: float = 0.0
-    jit_s: float = 0.0
-    alpha: float = 0.2
-
-    def update(self, name: str, value: float) -> None:
-        old = getattr(self, name)
-        setattr(self, name, value if old == 0.0 else (1 - self.alpha) * old + self.alpha * value)
 
 
 class SSDProposer:
@@ -64,13 +50,9 @@ class SSDProposer:
         self._told: dict[int, int] = {}  # seq_id -> tokens the worker has been sent
         self._last_k: dict[int, int] = {}
         self._round_ids = itertools.count()
-        self._timing = _Timing()
+        self._fallback = FallbackPolicy(fallback, self.K)
         self._verify_started: float | None = None
         self._probs_buffer: np.ndarray | None = None
-        self._hits = 0
-        self._lookups = 0
-        self._drafted = 0
-        self._accepted = 0
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=True)
         self._process = ctx.Process(target=run_draft_worker, args=(child, config), name="ssd-draft", daemon=True)
@@ -122,7 +104,7 @@ class SSDProposer:
 
     def propose(self, requests: list[ProposalRequest]) -> Proposal:
         if self._verify_started is not None:
-            self._timing.update("verify_s", time.perf_counter() - self._verify_started)
+            self._fallback.observe_verify(time.perf_counter() - self._verify_started)
         if not self.available:
             return self._empty(requests)
         self.prepare([r.seq for r in requests])
@@ -132,7 +114,7 @@ class SSDProposer:
             told = self._told[seq.seq_id]
             rows.append((seq.seq_id, seq.token_ids[told:], self._last_k[seq.seq_id], r.num_drafts))
             self._told[seq.seq_id] = seq.num_tokens
-        fallback = self._choose_fallback(len(requests))
+        fallback = self._fallback.choose(len(requests))
         round_id = next(self._round_ids)
         try:
             msg = wire.SpeculateMsg.from_lists(round_id, *zip(*rows))
@@ -165,26 +147,7 @@ class SSDProposer:
     def _account(self, proposal: Proposal, reply) -> None:
         self.draft_build_time_s += reply.cache_build_s
         self.draft_build_branches += reply.cache_branches
-        if not all(proposal.cache_hit):
-            self._timing.update("jit_s", reply.serve_s)
-        for hit in proposal.cache_hit:
-            self._lookups += 1
-            self._hits += hit
-
-    def _choose_fallback(self, batch_size: int) -> str:
-        if self.fallback != "auto":
-            return self.fallback
-        if self._lookups < 8 or self._timing.verify_s == 0.0:
-            return "jit"  # gather timings first
-        a = self._accepted / self._drafted if self._drafted else 0.5
-        return choose_fallback(
-            batch_size,
-            self._hits / self._lookups,
-            expected_tokens_per_round(a, self.K),
-            1.0,
-            self._timing.verify_s,
-            self._timing.jit_s,
-        )
+        self._fallback.observe_reply(proposal.cache_hit, proposal.fallback, reply.serve_s)
 
     def _empty(self, requests: list[ProposalRequest]) -> Proposal:
         b = len(requests)
@@ -198,8 +161,7 @@ class SSDProposer:
 
     def on_verified(self, rounds: list[VerifiedRound]) -> None:
         for r in rounds:
-            self._drafted += r.num_drafts
-            self._accepted += r.num_accepted
+            self._fallback.observe_round(r.num_drafts, r.num_accepted)
             if r.seq.seq_id in self._last_k:
                 self._last_k[r.seq.seq_id] = r.num_accepted
 
