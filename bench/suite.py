@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fan-out", default="auto", help="SSD fan-out: an integer, a list 'a,b,..' (K+1), or 'auto'")
     p.add_argument("--saguaro-c", type=float, default=1.0, help="SSD Saguaro scaling constant in (0, 1]")
     p.add_argument("--modes", default=",".join(ALL_MODES), help=f"subset of {','.join(ALL_MODES)} (ar and sd required)")
-    p.add_argument("--headline-ssd", default="ssd-jit", help="SSD mode whose ratios go into latest.json")
+    p.add_argument("--headline-ssd", default="ssd-auto", help="SSD mode whose ratios go into latest.json (default: the engine's default fallback)")
     p.add_argument("--target-threads", type=int, default=1, help="target threads in the extra-device layout")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"subset of {','.join(LAYOUTS)}")
     p.add_argument("--repeats", type=int, default=2, help="interleaved repeats of every configuration")

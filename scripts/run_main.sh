@@ -14,4 +14,4 @@ PROMPTS=(--chat --prompt "What is the capital of France?" --prompt "Write a Pyth
 COMMON=(--model "$MODEL" --dtype float32 --max-tokens 48 "${PROMPTS[@]}")
 echo "### autoregressive"; ssd generate "${COMMON[@]}"
 echo "### speculative decoding (draft_model, K=4)"; ssd generate "${COMMON[@]}" --draft "$DRAFT" --method draft_model --k 4
-echo "### SSD (K=4, auto fan-out, jit fallback, draft in its own process)"; ssd generate "${COMMON[@]}" --draft "$DRAFT" --method ssd --k 4
+echo "### SSD (K=4, auto fan-out, auto fallback, draft in its own process)"; ssd generate "${COMMON[@]}" --draft "$DRAFT" --method ssd --k 4

@@ -46,7 +46,7 @@ class SpeculativeConfig:
     fan_out: int | list[int] | str = "auto"  # geometric allocation, budget steered by BudgetController
     fan_out_miss: int | list[int] | str | None = None
     fan_out_budget: int | None = None  # branches per sequence of "auto" fan-outs; None: adapted online
-    fallback: str = "jit"
+    fallback: str = "auto"  # on a cache miss: jit or random, chosen from measured rates (FallbackPolicy)
     saguaro_c: float = 1.0
     draft_device: str | None = None
     draft_threads: int | None = None

@@ -41,7 +41,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--fan-out-miss", type=_fan_out, default=None, help="SSD fan-out for rounds after a miss")
     s.add_argument("--fan-out-budget", type=int, default=None,
                    help="branches per sequence of 'auto' fan-outs (default: adapted so the draft keeps up)")
-    s.add_argument("--fallback", default="jit", choices=["jit", "random", "auto"])
+    s.add_argument("--fallback", default="auto", choices=["jit", "random", "auto"])
     s.add_argument("--saguaro-c", type=float, default=1.0)
     s.add_argument("--draft-device", default=None)
     s.add_argument("--draft-threads", type=int, default=None)
