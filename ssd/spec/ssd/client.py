@@ -39,7 +39,6 @@ class SSDProposer:
         start_timeout_s: float = 300.0,
     ) -> None:
         self.config = config
-        self.fallback = fallback
         self.timeout_s = timeout_s
         self.vocab_size = config.target_vocab_size
         self.K = config.num_speculative_tokens
