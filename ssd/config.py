@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ssd.dtypes import DTYPE_NAMES, resolve_dtype
+from ssd.spec.ssd.fallback_policy import FALLBACKS
 from ssd.spec.ssd.fanout import is_auto_spec
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -31,7 +32,6 @@ def parse_bytes(value: int | float | str) -> int:
 
 
 SPEC_METHODS = ("draft_model", "ssd")
-FALLBACKS = ("jit", "random", "auto")
 
 
 @dataclass

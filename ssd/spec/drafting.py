@@ -66,22 +66,19 @@ class DraftDistribution:
     def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         """``argmax(masked_logits(logits))`` as target ids ``[N]`` (lowest target id on ties), computed on the
         draft's own columns: no ``[N, V]`` row over the target vocabulary is built."""
-        columns, target_ids = self._usable_columns(logits)
-        return target_ids[columns.argmax(dim=-1)]  # [N]
+        if self._by_target_id is None:  # column index == target id
+            return logits[:, : self.num_usable_tokens].argmax(dim=-1)  # [N]
+        draft_ids, target_ids = self._by_target_id
+        return target_ids[logits[:, draft_ids].argmax(dim=-1)]  # [N]
 
     def top_tokens(self, logits: torch.Tensor, n: int) -> torch.Tensor:
         """The ``n`` (at most the number of proposable ids) likeliest proposable target ids per row, most
         likely first: ``[N, n]``, on the draft's own columns like :meth:`greedy_tokens`."""
-        columns, target_ids = self._usable_columns(logits)
-        return target_ids[torch.topk(columns, min(n, columns.shape[-1]), dim=-1).indices]  # [N, n]
-
-    def _usable_columns(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft logits of the proposable ids in ascending target-id order ``[N, U]``, and those ids ``[U]``."""
         if self._by_target_id is None:
-            columns = logits[:, : self.num_usable_tokens]  # [N, U]
-            return columns, torch.arange(columns.shape[-1], device=logits.device)
+            usable = logits[:, : self.num_usable_tokens]  # [N, U]
+            return torch.topk(usable, min(n, usable.shape[-1]), dim=-1).indices  # [N, n]
         draft_ids, target_ids = self._by_target_id
-        return logits[:, draft_ids], target_ids
+        return target_ids[torch.topk(logits[:, draft_ids], min(n, len(draft_ids)), dim=-1).indices]  # [N, n]
 
     def draw(
         self,

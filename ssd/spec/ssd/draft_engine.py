@@ -36,10 +36,9 @@ from ssd.executor.model_runner import ModelRunner
 from ssd.sample.saguaro import saguaro_scale
 from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution, draft_sequentially
+from ssd.spec.ssd.fallback_policy import JIT, RANDOM
 
 logger = logging.getLogger(__name__)
-
-JIT, RANDOM = "jit", "random"
 
 
 @dataclass

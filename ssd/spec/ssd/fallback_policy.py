@@ -18,6 +18,7 @@ from ssd.spec.ssd.estimator import AcceptanceEstimator
 from ssd.spec.ssd.fanout import choose_fallback, expected_tokens_per_round
 
 JIT, RANDOM, AUTO = "jit", "random", "auto"
+FALLBACKS = (JIT, RANDOM, AUTO)
 
 
 class FallbackPolicy:
@@ -25,8 +26,8 @@ class FallbackPolicy:
     EWMA_ALPHA = 0.2
 
     def __init__(self, kind: str, K: int) -> None:
-        if kind not in (JIT, RANDOM, AUTO):
-            raise ValueError(f"fallback must be one of {(JIT, RANDOM, AUTO)}, got {kind!r}")
+        if kind not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {FALLBACKS}, got {kind!r}")
         self.kind = kind
         self.K = K
         self.acceptance = AcceptanceEstimator()
