@@ -8,7 +8,7 @@ from typing import Any
 
 from ssd.dtypes import DTYPE_NAMES, resolve_dtype
 from ssd.spec.ssd.fallback_policy import FALLBACKS
-from ssd.spec.ssd.fanout import is_auto_spec
+from ssd.spec.ssd.fanout import check_budget, is_auto_spec
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNIT_POWER = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}
@@ -72,8 +72,7 @@ class SpeculativeConfig:
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
         if self.fan_out_budget is not None:
-            if isinstance(self.fan_out_budget, bool) or not isinstance(self.fan_out_budget, int) or self.fan_out_budget < 1:
-                raise ValueError(f"fan_out_budget must be an integer >= 1 or None, got {self.fan_out_budget!r}")
+            check_budget(self.fan_out_budget, "fan_out_budget")
             if not any(is_auto_spec(f) for f in (self.fan_out, self.fan_out_miss)):
                 raise ValueError("fan_out_budget only applies to fan_out='auto' or fan_out_miss='auto'")
         if self.fallback not in FALLBACKS:

@@ -121,6 +121,8 @@ def test_parse_uniform_list_and_strings():
     assert parse_fan_out(" 4,2,1,1,0 ", K=4).current() == [4, 2, 1, 1, 0]
     policy = parse_fan_out([1, 2, 3], K=2, budget=6)
     assert not policy.is_auto and policy.budget == 6 and policy.K == 2
+    policy = parse_fan_out([1, 2, 3], K=2, budget=20)  # the auto budget does not apply to a fixed spec
+    assert policy.budget == 6 and policy.current() == [1, 2, 3]
 
 
 def test_parse_auto_and_default_budget():
@@ -147,8 +149,6 @@ def test_parse_auto_and_default_budget():
         ([1, -1, 1, 1], 3, None, "integers >= 0"),
         ([1.0, 1, 1, 1], 3, None, "integers >= 0"),
         ([1, 1, True, 1], 3, None, "integers >= 0"),
-        ([1, 1, 1, 1], 3, 5, "disagrees with the fixed fan-out"),
-        (2, 3, 9, "disagrees with the fixed fan-out"),
         ("auto", 3, 0, "budget"),
         ("auto", 0, None, "lookahead"),
         (2, 0, None, "lookahead"),
@@ -166,6 +166,8 @@ def test_fan_out_dataclass():
         FanOut((3,))
     with pytest.raises(ValueError, match="lookahead is K = 3"):
         FanOutPolicy(3, fixed=fan)
+    with pytest.raises(ValueError, match="disagrees with the fixed fan-out"):
+        FanOutPolicy(2, fixed=fan, budget=5)
 
 
 def test_current_returns_a_fresh_list():

@@ -43,9 +43,10 @@ def _check_lookahead(K: object) -> int:
     return int(K)  # type: ignore[call-overload]
 
 
-def _check_budget(budget: object) -> int:
+def check_budget(budget: object, name: str = "fan-out budget") -> int:
+    """`budget` as an int, or ValueError unless it is an integer >= 1 (branches per sequence)."""
     if not is_int(budget) or budget < 1:  # type: ignore[operator]
-        raise ValueError(f"fan-out budget must be an integer >= 1 (branches per sequence), got {budget!r}")
+        raise ValueError(f"{name} must be an integer >= 1 (branches per sequence), got {budget!r}")
     return int(budget)  # type: ignore[call-overload]
 
 
@@ -126,7 +127,7 @@ def geometric_fan_out(a: float, r: float, K: int, budget: int) -> list[int]:
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 <= r < math.inf):
         raise ValueError(f"miss exponent r must be a finite number >= 0, got {r!r}")
     K = _check_lookahead(K)
-    budget = _check_budget(budget)
+    budget = check_budget(budget)
     exponent = 1.0 / (1.0 + float(r))
     weights = [p**exponent for p in acceptance_length_probs(a, K)]  # 0 ** x == 0 for x > 0
     return largest_remainder(weights, budget)
@@ -168,7 +169,7 @@ class FanOutPolicy:
                 )
             self.budget = fixed.budget
         else:
-            self.budget = _check_budget((self.K + 1) * 2 if budget is None else budget)
+            self.budget = check_budget((self.K + 1) * 2 if budget is None else budget)
         self.fixed = fixed
         self.estimator = estimator if estimator is not None else AcceptanceEstimator()
         self._cache: tuple[int, int, list[int]] | None = None  # (estimator version, budget, fan-out)
@@ -196,7 +197,7 @@ class FanOutPolicy:
         """A new branch budget for an "auto" policy (see `BudgetController`); fixed fan-outs keep theirs."""
         if self.fixed is not None:
             raise ValueError(f"the fixed fan-out {self.fixed.as_list()} has no adjustable budget")
-        self.budget = _check_budget(budget)
+        self.budget = check_budget(budget)
 
     def __repr__(self) -> str:
         kind = "auto" if self.is_auto else self.fixed.as_list()  # type: ignore[union-attr]
@@ -228,7 +229,7 @@ class BudgetController:
     def __init__(self, K: int, maximum: int | None = None) -> None:
         K = _check_lookahead(K)
         self.minimum = K + 1
-        self.maximum = _check_budget(maximum) if maximum is not None else self.max_budget(K)
+        self.maximum = check_budget(maximum) if maximum is not None else self.max_budget(K)
         if self.maximum < self.minimum:
             raise ValueError(f"maximum budget {self.maximum} is below K + 1 = {self.minimum}")
         self.budget = min(2 * (K + 1), self.maximum)
@@ -249,7 +250,7 @@ class BudgetController:
 def max_fan_out_budget(spec: int | Sequence[int] | str, K: int, budget: int | None) -> int:
     """The most branches per sequence a fan-out spec can ever ask for (sizes the draft's scratch KV):
     its sum when fixed, `budget` for "auto" with a fixed budget, else the adaptive maximum."""
-    policy = parse_fan_out(spec, K, budget if is_auto_spec(spec) else None)
+    policy = parse_fan_out(spec, K, budget)
     if policy.is_auto and budget is None:
         return BudgetController.max_budget(K)
     return policy.budget
@@ -270,7 +271,7 @@ def parse_fan_out(
     Accepted specs: an int F >= 1 (F_k = F for every k); a list of K + 1 ints >= 0 with at least one > 0;
     "auto" (geometric allocation from online estimates, budget default (K + 1) * 2). Strings from a
     command line are also accepted: "3" and "4,2,1,1,0" mean the same as the int and list forms. `budget`
-    only matters for "auto"; given with a fixed spec it must equal that spec's sum.
+    is the branch budget of "auto"; a fixed spec ignores it (its sum is its budget).
     """
     K = _check_lookahead(K)
     allowed = f"an int >= 1, a list of K + 1 = {K + 1} ints >= 0 (at least one > 0), or 'auto'"
@@ -295,7 +296,7 @@ def parse_fan_out(
         values = list(spec)
     else:
         raise ValueError(f"fan_out must be {allowed}, got {spec!r}")
-    return FanOutPolicy(K, fixed=FanOut(tuple(values)), budget=budget, estimator=estimator)
+    return FanOutPolicy(K, fixed=FanOut(tuple(values)), estimator=estimator)
 
 
 def expected_missed(batch_size: int, hit_rate: float) -> float:

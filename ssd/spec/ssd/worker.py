@@ -24,7 +24,7 @@ from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution
 from ssd.spec.ssd import protocol as wire
 from ssd.spec.ssd.draft_engine import JIT, RANDOM, BuildStats, DraftEngine, SpeculateRow
-from ssd.spec.ssd.fanout import BudgetController, is_auto_spec, parse_fan_out
+from ssd.spec.ssd.fanout import BudgetController, parse_fan_out
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class FanOutPlanner:
         K = config.num_speculative_tokens
         budget = config.fan_out_budget
         miss = config.fan_out_miss if config.fan_out_miss is not None else config.fan_out
-        self.hit, self.miss = (parse_fan_out(f, K, budget if is_auto_spec(f) else None) for f in (config.fan_out, miss))
+        self.hit, self.miss = (parse_fan_out(f, K, budget) for f in (config.fan_out, miss))
         self.auto = [p for p in (self.hit, self.miss) if p.is_auto]
         self.controller = BudgetController(K) if self.auto and budget is None else None
         if self.controller is not None:
