@@ -273,8 +273,8 @@ def main() -> int:
     out = args.json or RESULTS_DIR / f"server_{int(time.time())}.json"
     path = write_json({"args": vars(args), "machine": machine_info(), "summary": summary,
                        "problems": problems, "requests": [asdict(r) | {"chunk_times": None} for r in results],
-                       "server_metrics_excerpt": [l for l in metrics_text.splitlines() if l.startswith("ssd:")
-                                                  and "_bucket" not in l]}, out)
+                       "server_metrics_excerpt": [line for line in metrics_text.splitlines() if line.startswith("ssd:")
+                                                  and "_bucket" not in line]}, out)
     print(f"results: {path}")
     return 1 if problems else 0
 

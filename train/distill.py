@@ -77,7 +77,7 @@ def load_examples(data: Path) -> tuple[list[Example], list[Example], list[Exampl
     """(train gen, validation, train stdlib). Validation: the greedy continuations of every 8th prompt and
     every 16th stdlib chunk; sampled continuations of those prompts are not used at all."""
     gen_train, gen_val, lib = [], [], []
-    greedy = [(i, r) for i, r in enumerate(r for f in continuation_files(data) for r in torch.load(f))]
+    greedy = [(start + j, r) for f, start in continuation_files(data) for j, r in enumerate(torch.load(f))]
     sampled = [(start + j, r) for f, start in sampled_files(data) for j, r in enumerate(torch.load(f))]
     for kind, records in (("greedy", greedy), ("sampled", sampled)):
         for prompt_index, r in records:
@@ -100,7 +100,7 @@ def load_examples(data: Path) -> tuple[list[Example], list[Example], list[Exampl
 
 
 def data_stamp(data: Path) -> tuple:
-    files = continuation_files(data) + [f for f, _ in sampled_files(data)]
+    files = [f for f, _ in continuation_files(data) + sampled_files(data)]
     return tuple((f.name, f.stat().st_mtime) for f in files)
 
 
@@ -196,16 +196,48 @@ def evaluate(model, examples: list[Example], t2d, unknown: int, bs: int = 8) -> 
     return tot_loss / tot_n, tot_agree / tot_n
 
 
+@dataclass
+class Init:
+    """Weights and vocabulary to continue training from."""
+    state: dict[str, torch.Tensor]
+    d2t: np.ndarray  # draft id -> target id, -1 for the unknown id (the last)
+    unknown: int
+    layers: list[int] | None  # the target layers it was built from, when recorded
+
+
+def load_init(path: str) -> Init:
+    """A ``draft.pt`` written by ``train`` or a folder written by ``export`` (fp32 copy of its bf16 weights;
+    the folder does not record which target layers it came from)."""
+    p = Path(path)
+    if p.is_dir():
+        from safetensors.torch import load_file
+
+        from ssd.models.draft_vocab import DraftVocab
+
+        vocab = DraftVocab.load(p)
+        if vocab is None:
+            raise ValueError(f"{p} has no draft vocabulary file")
+        state = {k: v.float() for k, v in load_file(str(p / "model.safetensors")).items()}
+        return Init(state, vocab.draft_to_target, vocab.unknown_id, None)
+    ck = torch.load(p, weights_only=False)
+    return Init(ck["state"], ck["d2t"], len(ck["d2t"]) - 1, list(ck["layers"]))
+
+
 def expected_accept_len(a: float, k: int = 4) -> float:
     """1 + a + ... + a^k: mean acceptance length if every draft token matched with probability a."""
     return sum(a**i for i in range(k + 1))
 
 
 # ------------------------------------------------------------------------------------------------ commands
-def prepare(args):
+def prepare(args, init: Init | None = None):
+    """(target path, d2t, unknown id, target->draft table): the vocabulary of `init` when continuing, else
+    the `--vocab-size` most frequent ids of the data's counts."""
     path = target_path()
-    counts = torch.load(Path(args.data) / "vocab_counts.pt")
-    d2t, unknown = build_vocab(counts, args.vocab_size, special_ids(path))
+    if init is not None:
+        d2t, unknown = init.d2t, init.unknown
+    else:
+        counts = torch.load(Path(args.data) / "vocab_counts.pt")
+        d2t, unknown = build_vocab(counts, args.vocab_size, special_ids(path))
     t2d = torch.full((49152,), unknown, dtype=torch.long)
     t2d[torch.from_numpy(d2t[:unknown])] = torch.arange(unknown)
     return path, d2t, unknown, t2d
@@ -224,24 +256,21 @@ def cmd_probe(args) -> None:
 def cmd_train(args) -> None:
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    path, d2t, unknown, t2d = prepare(args)
     layers = [int(v) for v in args.layers.split(",")]
-    if args.init:  # the vocabulary is the earlier phase's
-        d2t, unknown = torch.load(args.init, weights_only=False)["d2t"], None
-        unknown = len(d2t) - 1
-        t2d = torch.full((49152,), unknown, dtype=torch.long)
-        t2d[torch.from_numpy(d2t[:unknown])] = torch.arange(unknown)
+    init = load_init(args.init) if args.init else None
+    path, d2t, unknown, t2d = prepare(args, init)  # continuing keeps the earlier phase's vocabulary
     gen, val, lib = load_examples(Path(args.data))
     cover = sum(int((t2d[e.top_ids[:, 0].long()] != unknown).sum()) for e in val) / sum(e.top_ids.shape[0] for e in val)
     logger.info("vocab %d: covers %.4f of the target's greedy tokens on validation", len(d2t), cover)
     logger.info("%d gen train, %d gen val, %d stdlib examples", len(gen), len(val), len(lib))
     model, config = build_draft(path, layers, d2t, unknown)
-    if args.init:
-        # Continue from an earlier phase (same layers and vocabulary), e.g. with the embedding unfrozen.
-        ck = torch.load(args.init, weights_only=False)
-        if list(ck["layers"]) != layers:
-            raise ValueError(f"{args.init} was trained with layers {ck['layers']}, not {layers}")
-        model.load_state_dict(ck["state"])
+    if init is not None:
+        # Continue from an earlier phase or an exported draft (same layers and vocabulary).
+        if init.layers is not None and init.layers != layers:
+            raise ValueError(f"{args.init} was trained with layers {init.layers}, not {layers}")
+        missing, unexpected = model.load_state_dict(init.state, strict=False)
+        if [m for m in missing if m != "lm_head.weight"] or unexpected:
+            raise ValueError(f"{args.init} does not fit layers {layers}: missing {missing}, unexpected {unexpected}")
         model.lm_head.weight = model.model.embed_tokens.weight
     model.train()
     if args.freeze_embeddings:
@@ -334,7 +363,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay on weight matrices")
     ap.add_argument("--freeze-embeddings", action="store_true")
-    ap.add_argument("--init", default="", help="a draft.pt to continue from")
+    ap.add_argument("--init", default="", help="a draft.pt or an exported draft folder to continue from")
     ap.add_argument("--gen-weight", type=int, default=2, help="times each generated example appears per epoch")
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--eval-every", type=int, default=100)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from prompt_gen import all_prompts  # noqa: E402
+from prompt_gen import all_prompts, generation_order  # noqa: E402
 
 logger = logging.getLogger("make_data")
 TOPK = 20
@@ -38,11 +38,12 @@ def target_path() -> str:
     return str(fetch_default_target())
 
 
-def continuation_files(data: Path) -> list[Path]:
-    """The greedy continuation files in a stable order: ``gen.pt``, ``hfgen.pt``, then ``hfgen_<start>.pt``
-    parts. Concatenated, record i continues shuffled prompt i."""
-    names = [data / "gen.pt", data / "hfgen.pt", *sorted(data.glob("hfgen_*.pt"))]
-    return [f for f in names if f.exists()]
+def continuation_files(data: Path) -> list[tuple[Path, int]]:
+    """Greedy continuation files (``gen.pt``, ``hfgen.pt``, ``hfgen_<start>.pt`` parts) with the index of
+    their first prompt: record j of a file continues prompt ``start + j`` of ``generation_order``."""
+    names = [(data / "gen.pt", 0), (data / "hfgen.pt", 0)]
+    names += [(f, int(f.stem.rsplit("_", 1)[1])) for f in sorted(data.glob("hfgen_*.pt"))]
+    return [(f, start) for f, start in names if f.exists()]
 
 
 def sampled_files(data: Path) -> list[tuple[Path, int]]:
@@ -57,10 +58,9 @@ def stage_gen(out: Path, max_tokens: int, batch: int, budget_s: float, seed: int
     path = target_path()
     llm = LLM(model=path, dtype="bfloat16", kv_cache_memory="1GiB", max_num_seqs=batch)
     tok = llm.tokenizer
-    chat, stubs = all_prompts(seed)
-    prompts: list[list[int]] = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in chat]
-    prompts += [tok.encode(p) for p in stubs]
-    random.Random(seed).shuffle(prompts)  # every chunk mixes chat, writing and code
+    tp = all_prompts(seed)
+    prompts: list[list[int]] = generation_order([tok.apply_chat_template([{"role": "user", "content": p}]) for p in tp.chat],
+                                                [tok.encode(p) for p in tp.stubs], [tok.encode(p) for p in tp.doc_stubs], seed)
     logger.info("generating for %d prompts, max_tokens=%d, batch=%d", len(prompts), max_tokens, batch)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=TOPK)
     records = []
@@ -87,9 +87,10 @@ def stage_gen(out: Path, max_tokens: int, batch: int, budget_s: float, seed: int
 
 
 def stage_hfgen(out: Path, max_tokens: int, batch: int, budget_s: float, seed: int, start: int,
-                temperature: float = 0.0) -> None:
+                temperature: float = 0.0, end: int | None = None) -> None:
     """Like ``gen`` but with transformers' batched generate in fp32 (much faster here than per-sequence
-    paged decoding under CPU contention); covers the shuffled prompts from index ``start`` on.
+    paged decoding under CPU contention); covers the prompts of ``generation_order`` from index ``start``
+    up to ``end`` (exclusive; default all).
 
     ``temperature > 0`` samples the continuations instead (more contexts per prompt for the draft to learn
     from); the soft labels stay the target's unscaled next-token distribution at every position."""
@@ -98,12 +99,11 @@ def stage_hfgen(out: Path, max_tokens: int, batch: int, budget_s: float, seed: i
     path = target_path()
     tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
-    chat, stubs = all_prompts(seed)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-               for p in chat]
-    prompts += stubs
-    random.Random(seed).shuffle(prompts)
-    prompts = prompts[start:]
+    tp = all_prompts(seed)
+    chat = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+            for p in tp.chat]
+    prompts = generation_order(chat, tp.stubs, tp.doc_stubs, seed)
+    prompts = prompts[start:end]
     if temperature > 0:
         dest = out / f"hfsample_t{round(temperature * 100):03d}_{start:05d}.pt"
     else:
@@ -189,7 +189,7 @@ def stage_stdlib(out: Path, num_chunks: int, chunk_len: int, seed: int, budget_s
 def stage_vocab(out: Path) -> None:
     """Token counts over all training data, teacher top-1 weighted most (it is what the draft must say)."""
     counts = torch.zeros(49152, dtype=torch.float64)
-    for f in [*continuation_files(out), out / "stdlib.pt"]:
+    for f in [*(f for f, _ in continuation_files(out)), out / "stdlib.pt"]:
         if not f.exists():
             continue
         for r in torch.load(f):
@@ -206,6 +206,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["gen", "hfgen", "stdlib", "vocab"])
     ap.add_argument("--start", type=int, default=0, help="hfgen: first shuffled prompt to cover")
+    ap.add_argument("--end", type=int, default=None, help="hfgen: stop before this shuffled prompt (default: all)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="hfgen: sample continuations at this temperature (0: greedy)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "data"))
@@ -226,7 +227,7 @@ def main() -> None:
     if args.stage == "gen":
         stage_gen(out, args.max_tokens, args.batch, args.budget_s, args.seed)
     elif args.stage == "hfgen":
-        stage_hfgen(out, args.max_tokens, args.batch, args.budget_s, args.seed, args.start, args.temperature)
+        stage_hfgen(out, args.max_tokens, args.batch, args.budget_s, args.seed, args.start, args.temperature, args.end)
     elif args.stage == "stdlib":
         stage_stdlib(out, args.num_chunks, args.chunk_len, args.seed, args.budget_s)
     else:

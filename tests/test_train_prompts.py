@@ -1,0 +1,51 @@
+"""The draft's training prompts (train/prompt_gen.py): no evaluation prompt leaks in, and the generation
+order keeps every earlier prompt's index (the validation split is by index)."""
+
+import random
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+TRAIN = Path(__file__).resolve().parent.parent / "train"
+if str(TRAIN) not in sys.path:
+    sys.path.insert(0, str(TRAIN))
+
+from eval_prompts import CHAT_EVAL, CODE_EVAL  # noqa: E402
+from prompt_gen import EVAL_STUB_NAMES, all_prompts, generation_order  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return all_prompts()
+
+
+def test_no_evaluation_prompt_is_trained_on(prompts):
+    chat = {p.strip().lower() for p in prompts.chat}
+    assert not chat & {p.strip().lower() for p in CHAT_EVAL}
+    stubs = prompts.stubs + prompts.doc_stubs
+    assert not set(stubs) & set(CODE_EVAL)
+    names = {m.group(1) for s in stubs for m in [re.search(r"^def (\w+)\(", s, re.MULTILINE)] if m}
+    assert names and not names & EVAL_STUB_NAMES
+
+
+def test_doc_stubs_have_the_humaneval_shape(prompts):
+    assert len(prompts.doc_stubs) > 100
+    for stub in prompts.doc_stubs:
+        sig = re.search(r"^def \w+\(.*\).*:\n    \"\"\"", stub, re.MULTILINE)
+        assert sig is not None, stub
+        assert stub.endswith('\n    """\n') and stub.count('"""') == 2
+        doc = stub[sig.end():]
+        assert "\n\n" in doc or ">>>" in doc  # more than the first paragraph
+    assert not set(prompts.doc_stubs) & set(prompts.stubs)
+
+
+def test_generation_order_appends_without_moving_earlier_prompts(prompts):
+    chat, stubs, docs = prompts.chat, prompts.stubs, prompts.doc_stubs
+    order = generation_order(chat, stubs, docs)
+    earlier = chat + stubs
+    random.Random(0).shuffle(earlier)  # the order the data of drafts up to v5 was generated in
+    assert order[: len(earlier)] == earlier
+    assert sorted(order[len(earlier):]) == sorted(docs)
+    assert generation_order(chat, stubs, docs) == order  # deterministic
