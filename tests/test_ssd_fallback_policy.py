@@ -61,3 +61,17 @@ def test_random_filler_rounds_do_not_touch_the_jit_cost():
     assert policy.lookups == 101 and policy.hits == 50
     policy.observe_reply([False], ["jit"], 0.040)
     assert policy.jit_s == pytest.approx(0.8 * 0.030 + 0.2 * 0.040)
+
+
+def test_random_filler_rounds_do_not_touch_the_acceptance_rate():
+    """A filler is almost always rejected; learning a from its rounds would make "auto" prefer random
+    ever more once it had chosen it."""
+    policy = FallbackPolicy("auto", 4)
+    for _ in range(200):
+        policy.observe_round(4, 4)
+    a = policy.acceptance.acceptance_rate
+    for _ in range(200):
+        policy.observe_round(4, 0, neural=False)
+    assert policy.acceptance.acceptance_rate == a
+    policy.observe_round(4, 0)
+    assert policy.acceptance.acceptance_rate < a

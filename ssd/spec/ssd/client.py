@@ -20,7 +20,7 @@ import torch
 from ssd.core.sequence import Sequence
 from ssd.spec.proposal import Proposal, ProposalRequest, VerifiedRound
 from ssd.spec.ssd import protocol as wire
-from ssd.spec.ssd.fallback_policy import FallbackPolicy
+from ssd.spec.ssd.fallback_policy import JIT, RANDOM, FallbackPolicy
 from ssd.spec.ssd.worker import WorkerConfig, run_draft_worker
 
 logger = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class SSDProposer:
         self.failure: str | None = None
         self._told: dict[int, int] = {}  # seq_id -> tokens the worker has been sent
         self._last_k: dict[int, int] = {}
+        self._neural: set[int] = set()  # sequences whose current proposal is a neural draft (hit or jit)
         self._round_ids = itertools.count()
         self._fallback = FallbackPolicy(fallback, self.K)
         self._verify_started: float | None = None
@@ -117,7 +118,7 @@ class SSDProposer:
         round_id = next(self._round_ids)
         try:
             msg = wire.SpeculateMsg.from_lists(round_id, *zip(*rows))
-            msg.fallback = int(wire.FallbackKind.RANDOM if fallback == "random" else wire.FallbackKind.JIT)
+            msg.fallback = int(wire.FallbackKind.RANDOM if fallback == RANDOM else wire.FallbackKind.JIT)
             self._send(msg)
             reply = self._receive(self.timeout_s)
         except DraftWorkerError as exc:
@@ -127,7 +128,7 @@ class SSDProposer:
             self._fail(reply.message if isinstance(reply, wire.ErrorMsg) else "draft worker answered out of order")
             return self._empty(requests)
         proposal = self._to_proposal(reply, requests)
-        self._account(proposal, reply)
+        self._account(proposal, reply, requests)
         self._verify_started = time.perf_counter()
         return proposal
 
@@ -143,7 +144,9 @@ class SSDProposer:
         fallbacks = [None if hit else wire.FallbackKind(kind).name.lower() for hit, kind in zip(hits, reply.fallback)]
         return Proposal(tokens, probs, [r.num_drafts for r in requests], hits, fallbacks)
 
-    def _account(self, proposal: Proposal, reply) -> None:
+    def _account(self, proposal: Proposal, reply, requests: list[ProposalRequest]) -> None:
+        self._neural = {r.seq.seq_id for r, hit, kind in zip(requests, proposal.cache_hit, proposal.fallback)
+                        if hit or kind == JIT}
         self.draft_build_time_s += reply.cache_build_s
         self.draft_build_branches += reply.cache_branches
         self._fallback.observe_reply(proposal.cache_hit, proposal.fallback, reply.serve_s)
@@ -160,7 +163,7 @@ class SSDProposer:
 
     def on_verified(self, rounds: list[VerifiedRound]) -> None:
         for r in rounds:
-            self._fallback.observe_round(r.num_drafts, r.num_accepted)
+            self._fallback.observe_round(r.num_drafts, r.num_accepted, neural=r.seq.seq_id in self._neural)
             if r.seq.seq_id in self._last_k:
                 self._last_k[r.seq.seq_id] = r.num_accepted
 

@@ -4,7 +4,9 @@ from the engine's own measurements (pure Python, unit tested).
 "auto" compares expected tokens per second (`fanout.choose_fallback`) using:
 - the cache hit rate (lookups so far);
 - the acceptance rate a of the truncated geometric model (`AcceptanceEstimator`), from which a neural
-  draft's expected tokens per round follow; a random filler yields ~1 token;
+  draft's expected tokens per round follow, learnt only from rounds whose draft was neural (a cache hit or
+  jit); a random filler yields ~1 token, and counting its rounds would drag a down, so that "auto", once on
+  random, would keep choosing it;
 - exponentially weighted means of the target's verification time and of the draft's serve time on rounds
   that really used the jit fallback (a random filler's serve time says nothing about the jit cost).
 Until it has seen `WARMUP_LOOKUPS` lookups, a verification and a jit round, "auto" uses jit to measure.
@@ -46,8 +48,10 @@ class FallbackPolicy:
         if JIT in fallbacks:
             self.jit_s = self._ewma(self.jit_s, serve_s)
 
-    def observe_round(self, num_drafts: int, num_accepted: int) -> None:
-        self.acceptance.observe_round(num_drafts, num_accepted)
+    def observe_round(self, num_drafts: int, num_accepted: int, neural: bool = True) -> None:
+        """A verified round; `neural` is False when its draft was a random filler (ignored)."""
+        if neural:
+            self.acceptance.observe_round(num_drafts, num_accepted)
 
     def choose(self, batch_size: int) -> Literal["jit", "random"]:
         if self.kind != AUTO:
