@@ -11,8 +11,6 @@ from ssd.spec.ssd.fanout import (
     FanOut,
     FanOutPolicy,
     acceptance_length_probs,
-    choose_fallback,
-    expected_missed,
     expected_tokens_per_round,
     geometric_fan_out,
     largest_remainder,
@@ -382,61 +380,6 @@ def test_expected_tokens_per_round():
     # matches E[k + 1] computed from the distribution
     probs = acceptance_length_probs(0.7, 6)
     assert expected_tokens_per_round(0.7, 6) == pytest.approx(sum((k + 1) * p for k, p in enumerate(probs)))
-
-
-def test_expected_missed():
-    assert expected_missed(4, 0.5) == pytest.approx(32 / 15, abs=1e-15)  # 4 * .5 / (1 - .0625)
-    assert expected_missed(1, 0.3) == pytest.approx(1.0, abs=1e-15)
-    assert expected_missed(3, 1.0) == 1.0
-    assert expected_missed(3, 0.0) == 3.0
-
-
-@pytest.mark.parametrize(
-    "kwargs, expected",
-    [
-        # b = 1: the one sequence missed. jit 3 / (0.1 + 0.05) = 20 tok/s vs random 1 / 0.1 = 10.
-        (dict(batch_size=1, hit_rate=0.5, jit_time_s=0.05), "jit"),
-        # jit 3 / 0.4 = 7.5 < 10.
-        (dict(batch_size=1, hit_rate=0.5, jit_time_s=0.3), "random"),
-        # b = 4, p = .5: m = 32/15 missed. jit 12 / 0.15 = 80; random (4 - m) * 3 + m * 1 = 7.733 / 0.1
-        # = 77.3.
-        (dict(batch_size=4, hit_rate=0.5, jit_time_s=0.05), "jit"),
-        # jit 12 / 0.16 = 75 < 77.3.
-        (dict(batch_size=4, hit_rate=0.5, jit_time_s=0.06), "random"),
-        # known m = 1: jit 12 / 0.16 = 75 < random (3 * 3 + 1) / 0.1 = 100.
-        (dict(batch_size=4, hit_rate=0.0, jit_time_s=0.06, num_missed=1), "random"),
-        # known m = 4: jit 12 / 0.12 = 100 > random 4 / 0.1 = 40.
-        (dict(batch_size=4, hit_rate=0.9, jit_time_s=0.02, num_missed=4), "jit"),
-        # tie (jit 2 / 0.2 = 10, random 1 / 0.1 = 10) goes to random.
-        (dict(batch_size=1, hit_rate=0.5, jit_time_s=0.1, expected_tokens_jit=2.0), "random"),
-        # hits that yield fewer tokens than a jit draft: jit (1 + 3) / 0.15 = 26.7 > (1 + 1) / 0.1 = 20.
-        (dict(batch_size=2, hit_rate=0.0, jit_time_s=0.05, num_missed=1, expected_tokens_hit=1.0), "jit"),
-    ],
-)
-def test_choose_fallback_hand_computed(kwargs, expected):
-    args = dict(expected_tokens_jit=3.0, expected_tokens_random=1.0, verify_time_s=0.1) | kwargs
-    assert choose_fallback(**args) == expected
-
-
-@pytest.mark.parametrize(
-    "override, match",
-    [
-        (dict(batch_size=0), "batch_size"),
-        (dict(hit_rate=1.2), "hit_rate"),
-        (dict(verify_time_s=0.0), "verify_time_s"),
-        (dict(jit_time_s=-1.0), "jit_time_s"),
-        (dict(expected_tokens_jit=float("nan")), "expected_tokens_jit"),
-        (dict(num_missed=0), "num_missed"),
-        (dict(num_missed=5), "num_missed"),
-    ],
-)
-def test_choose_fallback_errors(override, match):
-    args = dict(
-        batch_size=4, hit_rate=0.5, expected_tokens_jit=3.0, expected_tokens_random=1.0,
-        verify_time_s=0.1, jit_time_s=0.05,
-    ) | override
-    with pytest.raises(ValueError, match=match):
-        choose_fallback(**args)
 
 
 # ------------------------------------------------------------------------------------------------

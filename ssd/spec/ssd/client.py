@@ -20,7 +20,7 @@ import torch
 from ssd.core.sequence import Sequence
 from ssd.spec.proposal import Proposal, ProposalRequest, VerifiedRound
 from ssd.spec.ssd import protocol as wire
-from ssd.spec.ssd.fallback_policy import JIT, RANDOM, FallbackPolicy
+from ssd.spec.ssd.fallback_policy import RANDOM, FallbackPolicy
 from ssd.spec.ssd.worker import WorkerConfig, run_draft_worker
 
 logger = logging.getLogger(__name__)
@@ -48,10 +48,9 @@ class SSDProposer:
         self.failure: str | None = None
         self._told: dict[int, int] = {}  # seq_id -> tokens the worker has been sent
         self._last_k: dict[int, int] = {}
-        self._neural: set[int] = set()  # sequences whose current proposal is a neural draft (hit or jit)
         self._round_ids = itertools.count()
-        self._fallback = FallbackPolicy(fallback, self.K)
-        self._verify_started: float | None = None
+        self._fallback = FallbackPolicy(fallback)
+        self._round: tuple[int, float] | None = None  # (batch size, proposal requested at) of the open round
         self._probs_buffer: np.ndarray | None = None
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=True)
@@ -103,10 +102,9 @@ class SSDProposer:
             self._last_k[seq.seq_id] = -1
 
     def propose(self, requests: list[ProposalRequest]) -> Proposal:
-        if self._verify_started is not None:
-            self._fallback.observe_verify(time.perf_counter() - self._verify_started)
         if not self.available:
             return self._empty(requests)
+        self._round = (len(requests), time.perf_counter())
         self.prepare([r.seq for r in requests])
         rows = []
         for r in requests:
@@ -128,8 +126,7 @@ class SSDProposer:
             self._fail(reply.message if isinstance(reply, wire.ErrorMsg) else "draft worker answered out of order")
             return self._empty(requests)
         proposal = self._to_proposal(reply, requests)
-        self._account(proposal, reply, requests)
-        self._verify_started = time.perf_counter()
+        self._account(proposal, reply)
         return proposal
 
     def _to_proposal(self, reply, requests: list[ProposalRequest]) -> Proposal:
@@ -144,12 +141,9 @@ class SSDProposer:
         fallbacks = [None if hit else wire.FallbackKind(kind).name.lower() for hit, kind in zip(hits, reply.fallback)]
         return Proposal(tokens, probs, [r.num_drafts for r in requests], hits, fallbacks)
 
-    def _account(self, proposal: Proposal, reply, requests: list[ProposalRequest]) -> None:
-        self._neural = {r.seq.seq_id for r, hit, kind in zip(requests, proposal.cache_hit, proposal.fallback)
-                        if hit or kind == JIT}
+    def _account(self, proposal: Proposal, reply) -> None:
         self.draft_build_time_s += reply.cache_build_s
         self.draft_build_branches += reply.cache_branches
-        self._fallback.observe_reply(proposal.cache_hit, proposal.fallback, reply.serve_s)
 
     def _empty(self, requests: list[ProposalRequest]) -> Proposal:
         b = len(requests)
@@ -162,8 +156,12 @@ class SSDProposer:
         )
 
     def on_verified(self, rounds: list[VerifiedRound]) -> None:
+        if self._round is not None:
+            batch_size, started = self._round
+            self._fallback.observe_round(batch_size, sum(len(r.output_tokens) for r in rounds),
+                                         time.perf_counter() - started)
+            self._round = None
         for r in rounds:
-            self._fallback.observe_round(r.num_drafts, r.num_accepted, neural=r.seq.seq_id in self._neural)
             if r.seq.seq_id in self._last_k:
                 self._last_k[r.seq.seq_id] = r.num_accepted
 

@@ -21,7 +21,6 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from ssd.spec.ssd.estimator import AcceptanceEstimator, check_rate, is_int
 
@@ -297,65 +296,3 @@ def parse_fan_out(
     else:
         raise ValueError(f"fan_out must be {allowed}, got {spec!r}")
     return FanOutPolicy(K, fixed=FanOut(tuple(values)), estimator=estimator)
-
-
-def expected_missed(batch_size: int, hit_rate: float) -> float:
-    """E[# sequences that missed | at least one missed], sequences hitting independently with `hit_rate`.
-
-    b (1 - p) / (1 - p^b); the limit as p -> 1 is 1 (exactly one sequence misses).
-    """
-    if not is_int(batch_size) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    hit_rate = check_rate("hit_rate", hit_rate)
-    if hit_rate >= 1.0:
-        return 1.0
-    return batch_size * (1.0 - hit_rate) / (1.0 - hit_rate**batch_size)
-
-
-def choose_fallback(
-    batch_size: int,
-    hit_rate: float,
-    expected_tokens_jit: float,
-    expected_tokens_random: float,
-    verify_time_s: float,
-    jit_time_s: float,
-    expected_tokens_hit: float | None = None,
-    num_missed: int | None = None,
-) -> Literal["jit", "random"]:
-    """Pick the fallback with more expected tokens per second for a batch in which some sequence missed.
-
-    Model, for a round in which m of the b sequences missed (m = `num_missed` when known, else its
-    expectation given at least one miss, `expected_missed(b, hit_rate)`):
-      jit:    the round takes verify + jit time; every sequence then holds a neural draft, the missed ones
-              yield `expected_tokens_jit` each and the hits `expected_tokens_hit`.
-      random: the round takes verify time only; the missed sequences yield `expected_tokens_random`
-              (~1: the filler is almost always rejected) and the hits `expected_tokens_hit`.
-    `expected_tokens_hit` defaults to `expected_tokens_jit` (a cached speculation is the same neural
-    draft, prepared earlier). Ties go to "random": same throughput, and the draft worker is free sooner.
-    """
-    if not is_int(batch_size) or batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-    hit_rate = check_rate("hit_rate", hit_rate)
-    if num_missed is not None and (not is_int(num_missed) or not (1 <= num_missed <= batch_size)):
-        raise ValueError(
-            f"num_missed must be None or an integer in [1, batch_size={batch_size}], got {num_missed!r}"
-        )
-    if expected_tokens_hit is None:
-        expected_tokens_hit = expected_tokens_jit
-    for name, value in (
-        ("expected_tokens_jit", expected_tokens_jit),
-        ("expected_tokens_random", expected_tokens_random),
-        ("expected_tokens_hit", expected_tokens_hit),
-        ("jit_time_s", jit_time_s),
-    ):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value < math.inf):
-            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    if isinstance(verify_time_s, bool) or not isinstance(verify_time_s, (int, float)) or not (
-        0.0 < verify_time_s < math.inf
-    ):
-        raise ValueError(f"verify_time_s must be a finite number > 0, got {verify_time_s!r}")
-    missed = float(num_missed) if num_missed is not None else expected_missed(batch_size, hit_rate)
-    hits = batch_size - missed
-    jit_rate = (hits * expected_tokens_hit + missed * expected_tokens_jit) / (verify_time_s + jit_time_s)
-    random_rate = (hits * expected_tokens_hit + missed * expected_tokens_random) / verify_time_s
-    return "jit" if jit_rate > random_rate else "random"
