@@ -17,12 +17,13 @@ whose name matches an evaluation stub's.
 from __future__ import annotations
 
 import ast
+import functools
 import random
 import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Callable, TypeVar
 
 from eval_prompts import CHAT_EVAL, CODE_EVAL
 from prompts import FACT_TEMPLATES, chat_prompts, code_stub_prompts
@@ -232,69 +233,9 @@ def generated_chat_prompts(seed: int = 0) -> list[str]:
     return out
 
 
-def _stub_from_function(node: ast.FunctionDef) -> str | None:
-    """'def name(args) -> ann:\\n    \"\"\"first docstring paragraph\\n    \"\"\"\\n', or None if unsuitable."""
-    doc = ast.get_docstring(node)
-    if not doc or node.name.startswith("_") or node.name in EVAL_STUB_NAMES:
-        return None
-    args = node.args
-    if args.args and args.args[0].arg in ("self", "cls"):
-        return None
-    para = doc.strip().split("\n\n", 1)[0]
-    if not (20 <= len(para) <= 400) or '"""' in para or "\\" in para:
-        return None
-    try:
-        sig = f"def {node.name}({ast.unparse(args)})"
-        if node.returns is not None:
-            sig += f" -> {ast.unparse(node.returns)}"
-    except (ValueError, AttributeError):
-        return None
-    if len(sig) > 120:
-        return None
-    body = "\n    ".join(line.strip() for line in para.splitlines())
-    return f'{sig}:\n    """{body}\n    """\n'
-
-
-def _stdlib_trees() -> list[ast.Module]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and not {"test", "tests", "idlelib"} & set(p.parts))
-    trees = []
-    for f in files:
-        try:
-            trees.append(ast.parse(f.read_text(encoding="utf-8")))
-        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
-            continue
-    return trees
-
-
-def stdlib_stub_prompts(limit: int = 600, seed: int = 0) -> list[str]:
-    """Signature + first docstring paragraph of public top-level stdlib functions (HumanEval-style stubs)."""
-    stubs: dict[str, str] = {}
-    for tree in _stdlib_trees():
-        for node in tree.body:  # top-level functions only: methods need their class to make sense
-            if isinstance(node, ast.FunctionDef) and node.name not in stubs:
-                stub = _stub_from_function(node)
-                if stub is not None:
-                    stubs[node.name] = stub
-    out = list(stubs.values())
-    random.Random(seed).shuffle(out)
-    return out[:limit]
-
-
-def _import_lines(tree: ast.Module, limit: int = 2) -> str:
-    """The module's first ``limit`` top-level import statements, as a HumanEval prompt's header."""
-    lines = [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))][:limit]
-    return "\n".join(lines) + "\n\n\n" if lines else ""
-
-
-def _doc_stub_from_function(node: ast.FunctionDef, header: str) -> str | None:
-    """A HumanEval-format stub: import header, signature and the *whole* docstring (examples included), or
-    None if unsuitable. Only functions whose docstring has more than one paragraph or a ``>>>`` example."""
-    doc = ast.get_docstring(node)
-    if not doc or node.name.startswith("_") or node.name in EVAL_STUB_NAMES:
-        return None
-    doc = doc.strip()
-    if not ("\n\n" in doc or ">>>" in doc) or not (60 <= len(doc) <= 1200) or '"""' in doc or "\\" in doc:
+def _signature(node: ast.FunctionDef) -> str | None:
+    """'def name(args) -> ann' of a public, non-method, non-evaluation function, or None if unsuitable."""
+    if node.name.startswith("_") or node.name in EVAL_STUB_NAMES:
         return None
     if node.args.args and node.args.args[0].arg in ("self", "cls"):
         return None
@@ -304,27 +245,83 @@ def _doc_stub_from_function(node: ast.FunctionDef, header: str) -> str | None:
             sig += f" -> {ast.unparse(node.returns)}"
     except (ValueError, AttributeError):
         return None
-    if len(sig) > 120:
+    return sig if len(sig) <= 120 else None
+
+
+def _stub_from_function(node: ast.FunctionDef, header: str) -> str | None:
+    """'def name(args) -> ann:\\n    \"\"\"first docstring paragraph\\n    \"\"\"\\n', or None if unsuitable."""
+    # `header` is unused: first-paragraph stubs have no import lines.
+    doc = ast.get_docstring(node)
+    sig = _signature(node) if doc else None
+    if sig is None:
+        return None
+    para = doc.strip().split("\n\n", 1)[0]
+    if not (20 <= len(para) <= 400) or '"""' in para or "\\" in para:
+        return None
+    body = "\n    ".join(line.strip() for line in para.splitlines())
+    return f'{sig}:\n    """{body}\n    """\n'
+
+
+def _doc_stub_from_function(node: ast.FunctionDef, header: str) -> str | None:
+    """A HumanEval-format stub: import header, signature and the *whole* docstring (examples included), or
+    None if unsuitable. Only functions whose docstring has more than one paragraph or a ``>>>`` example."""
+    doc = ast.get_docstring(node)
+    sig = _signature(node) if doc else None
+    if sig is None:
+        return None
+    doc = doc.strip()
+    if not ("\n\n" in doc or ">>>" in doc) or not (60 <= len(doc) <= 1200) or '"""' in doc or "\\" in doc:
         return None
     body = "\n".join(("    " + line).rstrip() for line in doc.splitlines())
     return f'{header}{sig}:\n    """{body.lstrip()}\n    """\n'
+
+
+@functools.cache
+def _stdlib_trees() -> tuple[ast.Module, ...]:
+    """The parsed sources of the installed standard library (once per process: both stub kinds use them)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and not {"test", "tests", "idlelib"} & set(p.parts))
+    trees = []
+    for f in files:
+        try:
+            trees.append(ast.parse(f.read_text(encoding="utf-8")))
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+            continue
+    return tuple(trees)
+
+
+def _import_lines(tree: ast.Module, limit: int = 2) -> str:
+    """The module's first ``limit`` top-level import statements, as a HumanEval prompt's header."""
+    lines = [ast.unparse(n) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))][:limit]
+    return "\n".join(lines) + "\n\n\n" if lines else ""
+
+
+def _stdlib_stubs(make: Callable[[ast.FunctionDef, str], str | None], limit: int, seed: int) -> list[str]:
+    """``make(function, module import header)`` over the public top-level stdlib functions (methods need
+    their class to make sense), first stub per name, shuffled, the first ``limit``."""
+    stubs: dict[str, str] = {}
+    for tree in _stdlib_trees():
+        header = _import_lines(tree)
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name not in stubs:
+                stub = make(node, header)
+                if stub is not None:
+                    stubs[node.name] = stub
+    out = list(stubs.values())
+    random.Random(seed).shuffle(out)
+    return out[:limit]
+
+
+def stdlib_stub_prompts(limit: int = 600, seed: int = 0) -> list[str]:
+    """Signature + first docstring paragraph of public top-level stdlib functions (HumanEval-style stubs)."""
+    return _stdlib_stubs(_stub_from_function, limit, seed)
 
 
 def stdlib_doc_stub_prompts(limit: int = 700, seed: int = 0) -> list[str]:
     """HumanEval-format stubs (imports, signature, full multi-paragraph docstring with its examples) of
     public top-level stdlib functions: the shape of the benchmark's prompts, which the first-paragraph
     stubs of ``stdlib_stub_prompts`` do not have."""
-    stubs: dict[str, str] = {}
-    for tree in _stdlib_trees():
-        header = _import_lines(tree)
-        for node in tree.body:
-            if isinstance(node, ast.FunctionDef) and node.name not in stubs:
-                stub = _doc_stub_from_function(node, header)
-                if stub is not None:
-                    stubs[node.name] = stub
-    out = list(stubs.values())
-    random.Random(seed).shuffle(out)
-    return out[:limit]
+    return _stdlib_stubs(_doc_stub_from_function, limit, seed)
 
 
 @dataclass(frozen=True)
