@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ssd.dtypes import DTYPE_NAMES, resolve_dtype
+from ssd.spec.lookup import LookupConfig
 from ssd.spec.ssd.fallback_policy import FALLBACKS
 from ssd.spec.ssd.fanout import check_budget, is_auto_spec
 
@@ -42,6 +43,11 @@ class SpeculativeConfig:
     model: str | None = None
     num_speculative_tokens: int = 4
     draft_dtype: str | None = None  # default: the target's dtype; "auto" resolves for the draft's device
+    # Drafts copy the token that followed the longest earlier match (>= min, counted to max tokens) of the
+    # context's suffix, when there is one (ssd/spec/lookup.py); both SD and SSD.
+    prompt_lookup: bool = True
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 8
     # SSD only
     fan_out: int | list[int] | str = "auto"  # geometric allocation, budget steered by BudgetController
     fan_out_miss: int | list[int] | str | None = None
@@ -75,6 +81,7 @@ class SpeculativeConfig:
             check_budget(self.fan_out_budget, "fan_out_budget")
             if not any(is_auto_spec(f) for f in (self.fan_out, self.fan_out_miss)):
                 raise ValueError("fan_out_budget only applies to fan_out='auto' or fan_out_miss='auto'")
+        _ = self.lookup  # validates prompt_lookup_min / prompt_lookup_max
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
         if not (0.0 < float(self.saguaro_c) <= 1.0):
@@ -83,6 +90,10 @@ class SpeculativeConfig:
             raise ValueError(f"draft_timeout_s must be positive, got {self.draft_timeout_s!r}")
         if self.draft_dtype is not None and self.draft_dtype not in DTYPE_NAMES:
             raise ValueError(f"draft_dtype {self.draft_dtype!r} is not supported; choose one of {list(DTYPE_NAMES)}")
+
+    @property
+    def lookup(self) -> LookupConfig:
+        return LookupConfig(bool(self.prompt_lookup), self.prompt_lookup_min, self.prompt_lookup_max)
 
 
 @dataclass

@@ -295,8 +295,9 @@ class LLMEngine:
 
     def _record_round(self, request: Request, round_, result: StepResult) -> None:
         hit, fallback = result.lookup(request.seq.seq_id)
+        copied = result.copied(request.seq.seq_id)
         for stats in (request.spec_stats, self.stats):
-            stats.record_round(round_.num_drafts, round_.num_accepted)
+            stats.record_round(round_.num_drafts, round_.num_accepted, copied)
             if hit is not None:
                 stats.record_lookup(max(request.last_accepted, 0), hit, round_.num_accepted, fallback)
         request.last_accepted = round_.num_accepted

@@ -15,6 +15,8 @@ class SpecStats:
     num_emitted_tokens: int = 0  # accepted + recovery/bonus tokens
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     acceptance_histogram: list[int] = field(default_factory=list)  # rounds that accepted exactly k drafts
+    num_copied_tokens: int = 0  # drafts that prompt lookup copied from the context instead of the draft model
+    num_accepted_copied_tokens: int = 0
     # SSD
     cache_lookups: int = 0
     cache_hits: int = 0
@@ -30,7 +32,11 @@ class SpecStats:
     verify_time_s: float = 0.0
     draft_critical_time_s: float = 0.0  # time the target waited for the draft
 
-    def record_round(self, num_draft: int, num_accepted: int) -> None:
+    def record_round(self, num_draft: int, num_accepted: int, copied: list[bool] | None = None) -> None:
+        """One verification round; ``copied[j]`` says whether draft j came from prompt lookup."""
+        if copied:
+            self.num_copied_tokens += sum(copied[:num_draft])
+            self.num_accepted_copied_tokens += sum(copied[:num_accepted])
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted

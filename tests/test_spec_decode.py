@@ -81,11 +81,12 @@ def models(checkpoint_factory, tmp_path_factory):
     return get
 
 
-def make_llm(model: str, draft: str | None = None, k: int = 3, **kwargs) -> LLM:
+def make_llm(model: str, draft: str | None = None, k: int = 3, prompt_lookup: bool = True, **kwargs) -> LLM:
     options = dict(dtype="float32", kv_cache_memory="16MiB", max_model_len=MAX_LEN, block_size=BLOCK, seed=0)
     options.update(kwargs)
     if draft is not None:
-        options["speculative_config"] = {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+        options["speculative_config"] = {"method": "draft_model", "model": draft, "num_speculative_tokens": k,
+                                         "prompt_lookup": prompt_lookup}
     return LLM(model, **options)
 
 
@@ -151,6 +152,8 @@ def test_greedy_sd_equals_ar(models, ar_greedy, draft, k):
     if draft == "close":  # real rejections and real acceptances, at every depth
         assert 0.0 < stats.acceptance_rate < 1.0
         assert stats.acceptance_histogram[0] > 0 and stats.num_accepted_tokens_per_pos[k - 1] > 0
+        # the random target repeats itself: prompt lookup copies drafts, and some are right
+        assert 0 < stats.num_accepted_copied_tokens <= stats.num_copied_tokens < stats.num_draft_tokens
     else:
         assert stats.acceptance_rate < 0.1
     assert_all_released(llm)
@@ -160,7 +163,7 @@ def test_greedy_sd_equals_ar(models, ar_greedy, draft, k):
 def test_greedy_sd_equals_ar_for_each_batch_size(models, ar_greedy, batch_size):
     k = (1, 3, 5, 8)[batch_size % 4]
     indices = [(3 * batch_size + j) % 8 for j in range(batch_size)]  # a different mix of lengths each time
-    llm = make_llm(models("target"), models("close"), k=k, max_num_seqs=8)
+    llm = make_llm(models("target"), models("close"), k=k, max_num_seqs=8, prompt_lookup=batch_size % 2 == 0)
     outputs = llm.generate([GREEDY_PROMPTS[i] for i in indices], [GREEDY_PARAMS[i] for i in indices])
     _check_greedy(outputs, ar_greedy, indices)
     assert_all_released(llm)
@@ -188,9 +191,9 @@ def test_self_draft_accepts_every_draft(models, ar_greedy, k):
     """Draft == target, greedy: every round accepts all of its drafts. Every round but the last has K drafts
     and emits K + 1 tokens; the last has min(K, tokens left - 1) (see expected_self_draft_rounds). So each
     request's round count, draft/accepted counters, acceptance histogram and mean acceptance length (K + 1
-    except for the last round) are known exactly."""
+    except for the last round) are known exactly. Prompt lookup is off: its copies are not the target's picks."""
     target = models("target")
-    llm = make_llm(target, target, k=k, max_num_seqs=8)
+    llm = make_llm(target, target, k=k, max_num_seqs=8, prompt_lookup=False)
     outputs = llm.generate(GREEDY_PROMPTS, GREEDY_PARAMS)
     _check_greedy(outputs, ar_greedy, range(8))
     for prompt, params, out in zip(GREEDY_PROMPTS, GREEDY_PARAMS, outputs):
@@ -333,11 +336,12 @@ class SamplingCase:
     draft: str | None  # None: plain sampling (checks the test harness itself)
     num_samples: int = 3000
     mix_greedy: bool = False
+    prompt_lookup: bool = True  # with repeating_prompt (copies are proposed), else with SAMPLE_PROMPT
 
 
 SAMPLING_CASES = {
     "temp1.0_mixed_greedy": SamplingCase(SamplingParams(temperature=1.0), "small_close", mix_greedy=True),
-    "temp0.7": SamplingCase(SamplingParams(temperature=0.7), "small_close"),
+    "temp0.7_model_only": SamplingCase(SamplingParams(temperature=0.7), "small_close", prompt_lookup=False),
     "top_k5": SamplingCase(SamplingParams(temperature=1.0, top_k=5), "small_close"),
     "top_p0.8_far_draft": SamplingCase(SamplingParams(temperature=0.9, top_p=0.8), "small_far"),
     "top_k_top_p_temp0.8": SamplingCase(SamplingParams(temperature=0.8, top_k=12, top_p=0.9), "small_far"),
@@ -361,13 +365,22 @@ def small_hf(models):
     path = models("small_target")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    return hf, tokenizer.encode(SAMPLE_PROMPT)
+    return hf, tokenizer
+
+
+def repeating_prompt(hf, prompt_ids: list[int]) -> list[int]:
+    """The prompt, the target's greedy continuation of it, then the prompt again: prompt lookup proposes the
+    continuation's tokens after the second copy, which the target often (not always) samples."""
+    return prompt_ids + hf_greedy(hf, prompt_ids, 8) + prompt_ids
 
 
 @pytest.mark.parametrize("case_name", list(SAMPLING_CASES))
 def test_sampled_distribution_is_exact(models, small_hf, case_name):
     case = SAMPLING_CASES[case_name]
-    hf, prompt_ids = small_hf
+    hf, tokenizer = small_hf
+    prompt_ids = tokenizer.encode(SAMPLE_PROMPT)
+    if case.prompt_lookup:
+        prompt_ids = repeating_prompt(hf, prompt_ids)
     base = dataclasses.replace(case.params, max_tokens=DEPTH, ignore_eos=True)
     seed0 = 100_000 * (list(SAMPLING_CASES).index(case_name) + 1)
     params = [dataclasses.replace(base, seed=seed0 + i) for i in range(case.num_samples)]
@@ -376,9 +389,10 @@ def test_sampled_distribution_is_exact(models, small_hf, case_name):
         params[i] = dataclasses.replace(base, temperature=0.0, seed=seed0 + i)
     draft = models(case.draft) if case.draft is not None else None
     llm = make_llm(
-        models("small_target"), draft, k=3, max_num_seqs=512, max_num_batched_tokens=8192, max_model_len=64
+        models("small_target"), draft, k=3, max_num_seqs=512, max_num_batched_tokens=8192, max_model_len=128,
+        prompt_lookup=case.prompt_lookup,
     )
-    outputs = llm.generate([SAMPLE_PROMPT] * len(params), params)
+    outputs = llm.generate([prompt_ids] * len(params), params)
     assert all(len(o.token_ids) == DEPTH for o in outputs)
 
     if greedy_rows:
@@ -395,8 +409,13 @@ def test_sampled_distribution_is_exact(models, small_hf, case_name):
         assert 0.02 < llm.stats.acceptance_rate < 0.95
         histogram = llm.stats.acceptance_histogram
         assert histogram[0] > 0 and sum(histogram[1:]) > 0
-        if case.draft == "small_close":
-            assert histogram[-1] > 0  # all K drafts accepted in some rounds
+        copied, accepted = llm.stats.num_copied_tokens, llm.stats.num_accepted_copied_tokens
+        if case.prompt_lookup:  # copied drafts were proposed, and both accepted and rejected
+            assert 0 < accepted < copied, (copied, accepted)
+        else:
+            assert copied == 0
+            if case.draft == "small_close":
+                assert histogram[-1] > 0  # all K drafts accepted in some rounds
     if case_name == "temp1.0_mixed_greedy":
         # The test has power: the same samples clearly reject a slightly different temperature.
         wrong_params = dataclasses.replace(base, temperature=1.15)

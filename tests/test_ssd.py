@@ -107,6 +107,7 @@ GREEDY_CONFIGS = {
     ),
     "K3-auto-jit-preempt": dict(num_speculative_tokens=3, fan_out="auto", fallback="jit", kv_blocks=12),
     "K5-auto-random-preempt": dict(num_speculative_tokens=5, fan_out="auto", fallback="random", kv_blocks=14),
+    "K3-fanout2-jit-no-lookup": dict(num_speculative_tokens=3, fan_out=2, fallback="jit", prompt_lookup=False),
 }
 ALLOWED_FALLBACKS = {"jit": {"jit"}, "random": {"random"}, "auto": {"jit", "random"}}
 
@@ -145,6 +146,10 @@ def test_greedy_equals_autoregressive(models, name):
         assert len(s.acceptance_histogram) == K + 1
         assert s.acceptance_histogram[0] > 0 and s.acceptance_histogram[K] > 0
         assert s.num_accepted_tokens == s.accepted_on_hit + s.accepted_on_miss
+        if config.get("prompt_lookup", True):  # random checkpoints repeat themselves: copies happen and some hold
+            assert 0 < s.num_accepted_copied_tokens < s.num_copied_tokens < s.num_draft_tokens
+        else:
+            assert s.num_copied_tokens == 0
         per_request = sum(o.spec_stats.cache_hits for o in all_outputs)
         assert per_request == s.cache_hits
         pid = llm.engine.proposer.pid
@@ -172,9 +177,11 @@ def test_draft_equal_to_target_hits_every_round_and_accepts_everything(models):
     """Greedy with the target as its own draft: the first speculative round of each request is a miss
     (nothing cached yet) and every later round finds its key (k = all drafts, t* = the bonus, which is the
     draft's own top candidate); every round accepts all of its drafts, so the rounds are exactly those of
-    full acceptance (``_full_acceptance_rounds``), including the short last ones."""
+    full acceptance (``_full_acceptance_rounds``), including the short last ones. Prompt lookup is off: a
+    copied token would be a draft the target's own model did not choose."""
     K = 3
-    with _ssd(models, draft=models.target, num_speculative_tokens=K, fan_out=1, fallback="jit") as llm:
+    with _ssd(models, draft=models.target, num_speculative_tokens=K, fan_out=1, fallback="jit",
+              prompt_lookup=False) as llm:
         outputs = llm.generate(PROMPTS, GREEDY)
         _assert_greedy(outputs, models, range(len(PROMPTS)))
         for out, params in zip(outputs, GREEDY):
@@ -201,6 +208,7 @@ def test_draft_equal_to_target_hits_every_round_and_accepts_everything(models):
 # sampling: the target's exact distribution
 
 SAMPLE_PROMPT = [17, 244, 90, 3, 411, 58]
+REPEATING_PROMPT = [17, 244, 90, 3, 17, 244, 90, 3, 17, 244]  # prompt lookup copies from it
 NUM_SAMPLES = 1500
 NUM_TOKENS = 5
 ALPHA = 1e-4  # false-failure rate of each chi-square test (for a random choice of seeds)
@@ -214,24 +222,35 @@ def exact(models) -> ExactJoint:
     return exact_joint(models.target, SAMPLE_PROMPT, NUM_TOKENS, SAMPLED)
 
 
-SAMPLING_CONFIGS = {
-    "saguaro1-jit": dict(num_speculative_tokens=2, fan_out=2, fallback="jit", saguaro_c=1.0),
+@pytest.fixture(scope="module")
+def exact_repeating(models) -> ExactJoint:
+    return exact_joint(models.target, REPEATING_PROMPT, NUM_TOKENS, SAMPLED)
+
+
+SAMPLING_CONFIGS = {  # the first three exercise the draft model alone, the last two prompt lookup too
+    "saguaro1-jit": dict(num_speculative_tokens=2, fan_out=2, fallback="jit", saguaro_c=1.0, prompt_lookup=False),
     # F = 1 scales only the top token: with top-k 2 and F = 2 the whole support would be scaled (no change)
-    "saguaro0.5-jit": dict(num_speculative_tokens=2, fan_out=1, fallback="jit", saguaro_c=0.5),
-    "random-fallback": dict(num_speculative_tokens=2, fan_out=[2, 1, 1], fallback="random", saguaro_c=0.5),
+    "saguaro0.5-jit": dict(num_speculative_tokens=2, fan_out=1, fallback="jit", saguaro_c=0.5, prompt_lookup=False),
+    "random-fallback": dict(num_speculative_tokens=2, fan_out=[2, 1, 1], fallback="random", saguaro_c=0.5,
+                            prompt_lookup=False),
+    "lookup-jit": dict(num_speculative_tokens=3, fan_out=2, fallback="jit", saguaro_c=0.5),
+    "lookup-random": dict(num_speculative_tokens=3, fan_out=[2, 1, 1, 2], fallback="random"),
 }
 
 
 @pytest.mark.parametrize("name", list(SAMPLING_CONFIGS))
-def test_sampling_matches_the_target_distribution(models, exact, name):
+def test_sampling_matches_the_target_distribution(models, exact, exact_repeating, name):
     """The first NUM_TOKENS tokens of NUM_SAMPLES seeded requests follow the target's exact joint
     distribution (chi-square goodness of fit over 32 paths, rare ones pooled). Five tokens span the
     prefill token, a first round served by the fallback and later rounds served by hits and misses.
-    Greedy requests share the batches and must still equal AR."""
+    Greedy requests share the batches and must still equal AR. With prompt lookup the prompt repeats
+    itself, so copied drafts (one-hot q) are proposed, accepted and rejected."""
     config = SAMPLING_CONFIGS[name]
     K = config["num_speculative_tokens"]
+    lookup = config.get("prompt_lookup", True)
+    prompt, exact = (REPEATING_PROMPT, exact_repeating) if lookup else (SAMPLE_PROMPT, exact)
     greedy_idx = [0, 3, 6]
-    prompts = [PROMPTS[i] for i in greedy_idx] + [SAMPLE_PROMPT] * NUM_SAMPLES
+    prompts = [PROMPTS[i] for i in greedy_idx] + [prompt] * NUM_SAMPLES
     params = [GREEDY[i] for i in greedy_idx] + [replace(SAMPLED, seed=seed) for seed in range(NUM_SAMPLES)]
     with _ssd(models, max_num_seqs=128, **config) as llm:
         outputs = llm.generate(prompts, params)
@@ -248,6 +267,8 @@ def test_sampling_matches_the_target_distribution(models, exact, name):
     assert counters.acceptance_histogram[0] > 0 and counters.acceptance_histogram[K] > 0
     fallback = config["fallback"]
     assert set(counters.fallbacks) == {fallback}
+    if lookup:
+        assert 0 < counters.num_accepted_copied_tokens < counters.num_copied_tokens
 
 
 def test_chi_square_has_power(models, exact):

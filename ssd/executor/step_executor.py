@@ -55,6 +55,13 @@ class StepResult:
         fallback = self.proposal.fallback[row] if self.proposal.fallback is not None else None
         return self.proposal.cache_hit[row], fallback
 
+    def copied(self, seq_id: int) -> list[bool] | None:
+        """Which drafts of the row prompt lookup copied; None when the proposer does not say."""
+        row = self.proposal_rows.get(seq_id)
+        if row is None or self.proposal is None or self.proposal.copied is None:
+            return None
+        return self.proposal.copied[row].tolist()
+
 
 class StepExecutor:
     def __init__(self, runner: ModelRunner, proposer: Proposer | None, default_generator: torch.Generator) -> None:

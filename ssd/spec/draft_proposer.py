@@ -3,7 +3,8 @@
 The draft keeps its own paged KV cache (own block pool, own prefix cache). For each sequence it keeps a
 *mirror* sharing the target's token list; the mirror's ``num_computed_tokens`` says how much of it the draft
 has seen. A round catches the draft up (every unseen token, ending with the pending one) and then drafts one
-token per step from the draft distribution processed exactly like the target's (see ``drafting.py``).
+token per step from the draft distribution processed exactly like the target's (see ``drafting.py``), or the
+token prompt lookup copies from the context (``lookup.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ssd.core.kv_cache_manager import KVCacheManager
 from ssd.core.sequence import Sequence
 from ssd.executor.model_runner import ModelRunner
 from ssd.spec.drafting import DraftDistribution, draft_sequentially
+from ssd.spec.lookup import LookupConfig, PromptLookup
 from ssd.spec.proposal import Proposal, ProposalRequest, VerifiedRound
 
 logger = logging.getLogger(__name__)
@@ -28,12 +30,15 @@ class DraftModelProposer:
         kv_manager: KVCacheManager,
         distribution: DraftDistribution,
         default_generator: torch.Generator,
+        lookup: LookupConfig | None = None,
     ) -> None:
         self.runner = runner
         self.kv_manager = kv_manager
         self.distribution = distribution
         self.default_generator = default_generator
+        self.lookup = lookup or LookupConfig(enabled=False)
         self.mirrors: dict[int, Sequence] = {}
+        self.lookups: dict[int, PromptLookup | None] = {}  # per sequence, over its token list
         self.available = True
 
     def prepare(self, seqs: list[Sequence]) -> None:
@@ -46,6 +51,7 @@ class DraftModelProposer:
             mirror = Sequence(seq.seq_id, seq.prompt_token_ids, seq.sampling_params, token_ids=seq.token_ids)
             self.kv_manager.allocate_prefix(mirror)
             self.mirrors[seq.seq_id] = mirror
+            self.lookups[seq.seq_id] = self.lookup.new(seq.token_ids)
         return mirror
 
     @torch.inference_mode()
@@ -56,15 +62,16 @@ class DraftModelProposer:
             if not self.kv_manager.allocate_slots(mirror, mirror.num_uncomputed_tokens, r.num_drafts - 1):
                 raise RuntimeError("draft KV cache exhausted; it is sized to never run out before the target's")
         num_drafts = [r.num_drafts for r in requests]
-        tokens, probs = draft_sequentially(
+        drafts = draft_sequentially(
             self.runner,
             mirrors,
             num_drafts,
             [r.generator for r in requests],
             self.distribution,
             self.default_generator,
+            lookups=[self.lookups[r.seq.seq_id] for r in requests],
         )
-        return Proposal(tokens, probs, num_drafts)
+        return Proposal(drafts.tokens, drafts.probs, num_drafts, copied=drafts.copied)
 
     def on_verified(self, rounds: list[VerifiedRound]) -> None:
         for round_ in rounds:
@@ -79,6 +86,7 @@ class DraftModelProposer:
 
     def release(self, seq: Sequence) -> None:
         mirror = self.mirrors.pop(seq.seq_id, None)
+        self.lookups.pop(seq.seq_id, None)
         if mirror is not None:
             self.kv_manager.free(mirror)
 
@@ -86,3 +94,4 @@ class DraftModelProposer:
         for mirror in self.mirrors.values():
             self.kv_manager.free(mirror)
         self.mirrors.clear()
+        self.lookups.clear()

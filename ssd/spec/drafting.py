@@ -4,6 +4,7 @@ K sequential draft steps over mirrored sequences."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -12,6 +13,7 @@ from ssd.executor.forward_items import ForwardItem
 from ssd.executor.model_runner import ModelRunner
 from ssd.sample.sampler import SamplingTensors, draw_uniforms, processed_probs, sample
 from ssd.sampling_params import SamplingParams
+from ssd.spec.lookup import PromptLookup
 
 
 class DraftDistribution:
@@ -87,21 +89,52 @@ class DraftDistribution:
         generators: list[torch.Generator | None],
         default_generator: torch.Generator | None,
         adjust: Adjust | None = None,
+        forced: list[int | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft token per row of draft ``logits [N, Vd]``: ``(tokens [N], probs [N, V] or None)``.
 
         ``probs`` are exactly the distributions sampled from (after ``adjust``). When every row is greedy
         they are one-hot and not built (None): the cheap path that most draft steps of a greedy batch take.
-        Generators advance as in :func:`ssd.sample.sampler.sample` either way.
+        A row with a ``forced`` token (prompt lookup) proposes it with a one-hot q instead; the choice must not
+        depend on this draw. Generators advance as in :func:`ssd.sample.sampler.sample` in every case.
         """
         st = SamplingTensors.from_params(params, logits.device)
         if st.all_greedy:
             draw_uniforms(generators, [1] * len(params), 1, logits.device, default_generator)
-            return self.greedy_tokens(logits), None
+            return _force(self.greedy_tokens(logits), None, forced), None
         probs = processed_probs(self.masked_logits(logits), st)  # [N, V]
         if adjust is not None:
             probs = adjust(logits, probs)
-        return sample(probs, generators, st.greedy, default_generator), probs
+        tokens = sample(probs, generators, st.greedy, default_generator)  # [N]
+        return _force(tokens, probs, forced), probs
+
+
+def _propose(lookup: PromptLookup | None, tail: list[int]) -> int | None:
+    return None if lookup is None else lookup.propose(tail)
+
+
+def _force(tokens: torch.Tensor, probs: torch.Tensor | None, forced: list[int | None] | None) -> torch.Tensor:
+    """Put each forced token into ``tokens [N]`` and make its row of ``probs [N, V]`` one-hot (in place)."""
+    rows = [i for i, token in enumerate(forced or ()) if token is not None]
+    if not rows:
+        return tokens
+    index = torch.tensor(rows, device=tokens.device)
+    values = torch.tensor([forced[i] for i in rows], device=tokens.device, dtype=tokens.dtype)
+    tokens = tokens.clone()
+    tokens[index] = values
+    if probs is not None:
+        probs[index] = 0.0
+        probs[index, values] = 1.0
+    return tokens
+
+
+@dataclass
+class Drafts:
+    """K sequential drafts per row: tokens, the exact q each was drawn from, and which prompt lookup copied."""
+
+    tokens: torch.Tensor  # [B, K] int64
+    probs: torch.Tensor  # [B, K, V] float32
+    copied: torch.Tensor  # [B, K] bool
 
 
 ProbsHook = Callable[[int, list[int], torch.Tensor, torch.Tensor], torch.Tensor]
@@ -116,20 +149,23 @@ def draft_sequentially(
     distribution: DraftDistribution,
     default_generator: torch.Generator | None,
     adjust: ProbsHook | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    lookups: list[PromptLookup | None] | None = None,
+) -> Drafts:
     """Catch each mirror up to its pending token, then draft ``num_drafts[i]`` tokens one step at a time.
 
     Mirrors must have slots for all their uncomputed tokens plus ``num_drafts - 1`` lookahead tokens. On
     return the draft cache holds K/V for every mirror token and for d_1..d_{K-1}; ``num_computed_tokens`` is
     set to the mirror's length. ``adjust(step, rows, logits, probs)`` may reshape the distribution a draft is
     drawn from (Saguaro scaling); the returned probabilities are exactly the ones sampled from.
-    Returns ``tokens [B, K]`` and ``probs [B, K, V]``.
+    ``lookups[i]`` (prompt lookup over mirror i's tokens) replaces a draft by the token it copies, when it has one.
     """
     device = runner.device
     max_k = max(num_drafts)
     tokens_out = torch.zeros(len(mirrors), max_k, dtype=torch.long, device=device)  # [B, K]
     probs_out = torch.zeros(len(mirrors), max_k, distribution.target_vocab_size, device=device)  # [B, K, V]
+    copied = torch.zeros(len(mirrors), max_k, dtype=torch.bool)  # [B, K]
     pending = [m.token_ids[m.num_computed_tokens :] for m in mirrors]
+    drafted: list[list[int]] = [[] for _ in mirrors]
     positions = [m.num_computed_tokens for m in mirrors]
     for step in range(max_k):
         active = [i for i, k in enumerate(num_drafts) if k > step]
@@ -137,7 +173,12 @@ def draft_sequentially(
         logits = runner.forward(items)  # [A, Vd]
         params = [mirrors[i].sampling_params for i in active]
         hook = None if adjust is None else lambda lg, pr: adjust(step, active, lg, pr)
-        tokens, probs = distribution.draw(logits, params, [generators[i] for i in active], default_generator, hook)
+        forced = None if lookups is None else [_propose(lookups[i], drafted[i]) for i in active]
+        tokens, probs = distribution.draw(
+            logits, params, [generators[i] for i in active], default_generator, hook, forced
+        )
+        if forced is not None:
+            copied[active, step] = torch.tensor([token is not None for token in forced])
         rows = torch.tensor(active, device=device)
         tokens_out[rows, step] = tokens  # tokens: [A]
         if probs is None:
@@ -147,6 +188,7 @@ def draft_sequentially(
         for i, token in zip(active, tokens.tolist()):
             positions[i] += len(pending[i])
             pending[i] = [token]
+            drafted[i].append(token)
     for mirror in mirrors:
         mirror.num_computed_tokens = mirror.num_tokens
-    return tokens_out, probs_out
+    return Drafts(tokens_out, probs_out, copied)

@@ -28,6 +28,7 @@ class Proposal:
     num_drafts: list[int]  # per row; row i uses draft_tokens[i, :num_drafts[i]]
     cache_hit: list[bool] | None = None  # SSD: whether each row came from the speculation cache
     fallback: list[str | None] | None = None  # SSD: the fallback kind used for a miss
+    copied: torch.Tensor | None = None  # [B, K] bool: drafts that prompt lookup copied from the context
 
 
 @dataclass

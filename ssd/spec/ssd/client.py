@@ -139,7 +139,8 @@ class SSDProposer:
         probs = torch.from_numpy(reply.dense_probs(self.vocab_size, out=self._probs_buffer))  # [B, K, V]
         hits = reply.hit.tolist()
         fallbacks = [None if hit else wire.FallbackKind(kind).name.lower() for hit, kind in zip(hits, reply.fallback)]
-        return Proposal(tokens, probs, [r.num_drafts for r in requests], hits, fallbacks)
+        copied = torch.from_numpy(reply.copied)  # [B, K]
+        return Proposal(tokens, probs, [r.num_drafts for r in requests], hits, fallbacks, copied)
 
     def _account(self, proposal: Proposal, reply) -> None:
         self.draft_build_time_s += reply.cache_build_s

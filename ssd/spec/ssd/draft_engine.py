@@ -36,6 +36,7 @@ from ssd.executor.model_runner import ModelRunner
 from ssd.sample.saguaro import saguaro_scale
 from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution, draft_sequentially
+from ssd.spec.lookup import LookupConfig, PromptLookup
 from ssd.spec.ssd.fallback_policy import JIT, RANDOM
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ logger = logging.getLogger(__name__)
 class CachedSpeculation:
     tokens: list[int]  # e_1..e_K
     probs: torch.Tensor | None  # [K, V] the exact q each e_j was drawn from (None for greedy sequences)
+    copied: list[bool]  # which e_j prompt lookup copied
 
 
 @dataclass
@@ -55,6 +57,11 @@ class DraftSeqState:
     num_valid_drafts: int = 0  # leading e_j whose K/V sits in natural slots (glue: all K, jit: K-1)
     fan_out: list[int] = field(default_factory=list)  # F_0..F_K of the next cache build (Saguaro scales these)
     cache: dict[tuple[int, int], CachedSpeculation] = field(default_factory=dict)
+    lookup: PromptLookup | None = None  # prompt lookup over the mirror's tokens
+
+    def copy(self, tail: list[int]) -> int | None:
+        """What prompt lookup proposes after the committed tokens and ``tail``, if anything."""
+        return None if self.lookup is None else self.lookup.propose(tail)
 
     @property
     def greedy(self) -> bool:
@@ -75,6 +82,7 @@ class SpeculationResult:
     probs: torch.Tensor | None  # [K, V]; None for greedy sequences (q is one-hot at the token)
     hit: bool
     fallback: str | None  # None on a hit
+    copied: list[bool]  # which tokens prompt lookup copied
 
 
 @dataclass
@@ -92,6 +100,7 @@ class DraftEngine:
         num_speculative_tokens: int,
         saguaro_c: float = 1.0,
         seed: int = 0,
+        lookup: LookupConfig | None = None,
     ) -> None:
         self.runner = runner
         self.kv = kv_manager
@@ -99,6 +108,7 @@ class DraftEngine:
         self.K = num_speculative_tokens
         self.saguaro_c = saguaro_c
         self.seed = seed
+        self.lookup = lookup or LookupConfig(enabled=False)
         self.states: dict[int, DraftSeqState] = {}
         self.last_build = BuildStats()
         self._jit_states: list[DraftSeqState] = []
@@ -114,7 +124,7 @@ class DraftEngine:
             self.kv.allocate_prefix(mirror)
             generator = torch.Generator(device=self.runner.device)
             generator.manual_seed(draft_seed(params.seed, self.seed, seq_id))
-            state = DraftSeqState(mirror, generator)
+            state = DraftSeqState(mirror, generator, lookup=self.lookup.new(mirror.token_ids))
             self.states[seq_id] = state
             todo = mirror.num_tokens - 1 - mirror.num_computed_tokens
             if todo > 0 and self.kv.allocate_slots(mirror, todo):
@@ -144,7 +154,8 @@ class DraftEngine:
                 hit = None  # built after a shorter speculation and the lookahead grew back: draft afresh
             if hit is not None:
                 probs = None if hit.probs is None else hit.probs[: row.num_drafts]
-                results[i] = SpeculationResult(hit.tokens[: row.num_drafts], probs, True, None)
+                n = row.num_drafts
+                results[i] = SpeculationResult(hit.tokens[:n], probs, True, None, hit.copied[:n])
             elif fallback == JIT:
                 jit_rows.append(i)
             else:
@@ -182,7 +193,7 @@ class DraftEngine:
         self._jit_states = states
         for mirror, row in zip(mirrors, rows):
             self._allocate(mirror, mirror.num_uncomputed_tokens + row.num_drafts - 1)
-        tokens, probs = draft_sequentially(
+        drafts = draft_sequentially(
             self.runner,
             mirrors,
             [r.num_drafts for r in rows],
@@ -190,22 +201,32 @@ class DraftEngine:
             self.dist,
             None,
             adjust=self._saguaro_jit,
+            lookups=[s.lookup for s in states],
         )
         out = []
         for i, (state, row) in enumerate(zip(states, rows)):
             k = row.num_drafts
             state.num_valid_drafts = k - 1
-            out.append(SpeculationResult(tokens[i, :k].tolist(), None if state.greedy else probs[i, :k], False, JIT))
+            probs = None if state.greedy else drafts.probs[i, :k]
+            out.append(SpeculationResult(drafts.tokens[i, :k].tolist(), probs, False, JIT, drafts.copied[i, :k].tolist()))
         return out
 
     def _filler(self, state: DraftSeqState, num_drafts: int) -> SpeculationResult:
-        """Repeat the pending token with a one-hot q: costs nothing, exact, usually rejected at once."""
-        token = state.mirror.last_token_id
+        """Tokens with a one-hot q and no model call: what prompt lookup copies from the context as long as it
+        finds a match, then the pending token repeated (exact, usually rejected at once)."""
+        tokens: list[int] = []
+        while len(tokens) < num_drafts:
+            token = state.copy(tokens)
+            if token is None:
+                break
+            tokens.append(token)
+        copied = [True] * len(tokens) + [False] * (num_drafts - len(tokens))
+        tokens += [state.mirror.last_token_id] * (num_drafts - len(tokens))
         probs = None
         if not state.greedy:
             probs = torch.zeros(num_drafts, self.dist.target_vocab_size, device=self.runner.device)  # [K, V]
-            probs[:, token] = 1.0
-        return SpeculationResult([token] * num_drafts, probs, False, RANDOM)
+            probs[torch.arange(num_drafts), torch.tensor(tokens)] = 1.0
+        return SpeculationResult(tokens, probs, False, RANDOM, copied)
 
     # ------------------------------------------------------------------ cache building
     @torch.inference_mode()
@@ -252,7 +273,8 @@ class DraftEngine:
         return out
 
     def _fork(self, state: DraftSeqState, logits: torch.Tensor) -> list[tuple[int, int]]:
-        """Branches (k, c) for one sequence, ordered by k then by draft likelihood."""
+        """Branches (k, c) for one sequence, ordered by k then by draft likelihood. The bonus token (k = K)
+        is first guessed by prompt lookup when it has a proposal: long copied spans are accepted whole."""
         fan_out = state.fan_out
         drafts = state.speculation[1:]
         k_max = len(drafts)
@@ -260,9 +282,12 @@ class DraftEngine:
         branches = []
         for k in range(k_max + 1):
             f = fan_out[k] if k < len(fan_out) else 0
-            excluded = drafts[k] if k < k_max else None
-            candidates = [t for t in top[k] if t != excluded][:f]
-            branches.extend((k, c) for c in candidates)
+            ranked = top[k]
+            if k < k_max:
+                ranked = [t for t in ranked if t != drafts[k]]
+            elif f > 0 and (copied := state.copy(drafts)) is not None:
+                ranked = [copied] + [t for t in ranked if t != copied]
+            branches.extend((k, c) for c in ranked[:f])
         return branches
 
     def _tree_decode(self, states: list[DraftSeqState], branches: list[list[tuple[int, int]]]) -> None:
@@ -270,6 +295,7 @@ class DraftEngine:
         depth = max(K)
         current = [[c for _, c in b] for b in branches]  # tokens to run at this depth, per branch
         sampled: list[list[list[int]]] = [[[] for _ in b] for b in branches]
+        copied: list[list[list[bool]]] = [[[] for _ in b] for b in branches]
         probs_kept: list[list[list[torch.Tensor]]] = [[[] for _ in b] for b in branches]
         for j in range(depth):
             items, owners = [], []
@@ -287,8 +313,10 @@ class DraftEngine:
                 params.extend([states[i].mirror.sampling_params] * m)
                 generators.extend([states[i].generator] * m)
                 scaled.extend([_at(states[i].fan_out, j)] * m)
+            forced = [states[i].copy(drafts_before(states[i], k, c) + sampled[i][b])
+                      for i in owners for b, (k, c) in enumerate(branches[i])]
             tokens_t, probs = self.dist.draw(  # probs: [sum M, V], None when all rows are greedy
-                logits, params, generators, None, lambda lg, pr: self._saguaro(pr, lg, params, scaled)
+                logits, params, generators, None, lambda lg, pr: self._saguaro(pr, lg, params, scaled), forced
             )
             tokens = tokens_t.tolist()
             offset = 0
@@ -296,6 +324,7 @@ class DraftEngine:
                 m = len(branches[i])
                 for b in range(m):
                     sampled[i][b].append(tokens[offset + b])
+                    copied[i][b].append(forced[offset + b] is not None)
                     if not states[i].greedy:
                         probs_kept[i][b].append(probs[offset + b])
                 current[i] = tokens[offset : offset + m]
@@ -303,7 +332,7 @@ class DraftEngine:
         for i, state in enumerate(states):
             for b, (k, c) in enumerate(branches[i]):
                 kept = torch.stack(probs_kept[i][b]) if probs_kept[i][b] else None
-                state.cache[(k, c)] = CachedSpeculation(sampled[i][b], kept)
+                state.cache[(k, c)] = CachedSpeculation(sampled[i][b], kept, copied[i][b])
 
     def _tree_item(self, state: DraftSeqState, branch: list[tuple[int, int]], tokens: list[int], j: int, k_max: int):
         mirror = state.mirror
@@ -345,6 +374,11 @@ class DraftEngine:
         if not self.kv.allocate_slots(mirror, num_tokens):
             raise RuntimeError("draft KV cache exhausted; it is sized to never run out before the target's")
 
+
+
+def drafts_before(state: DraftSeqState, k: int, token: int) -> list[int]:
+    """The tokens of branch (k, token) after the committed ones: e_1..e_k, then the token."""
+    return state.speculation[1 : k + 1] + [token]
 
 
 def draft_seed(request_seed: int | None, engine_seed: int, seq_id: int) -> int:

@@ -41,6 +41,7 @@ def build_ssd_proposer(engine: "LLMEngine") -> SSDProposer:
         fan_out_miss=spec.fan_out_miss,
         fan_out_budget=spec.fan_out_budget,
         saguaro_c=spec.saguaro_c,
+        lookup=spec.lookup,
         seed=cfg.seed,
         num_threads=spec.draft_threads,
         cpu_affinity=draft_cpus,

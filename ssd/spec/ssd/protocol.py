@@ -238,6 +238,7 @@ class SpeculationMsg(WireMessage):
         "fallback": (_U8, 1),
         "prob_rows": (_I32, 1),
         "probs": (_F32, 3),
+        "copied": (_BOOL, 2),
     }
     ZERO_COPY: ClassVar[frozenset[str]] = frozenset({"probs"})
 
@@ -247,6 +248,7 @@ class SpeculationMsg(WireMessage):
     fallback: np.ndarray  # [B] uint8, FallbackKind
     prob_rows: np.ndarray  # [S] int32, distinct rows in [0, B)
     probs: np.ndarray  # [S, K, V] float32
+    copied: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.bool_))  # [B, K]: prompt lookup's
     cache_build_s: float = 0.0  # how long the worker's last cache build took
     cache_branches: int = 0  # tree branches of that build, all sequences together
     serve_s: float = 0.0  # time the worker spent serving this request
@@ -259,6 +261,10 @@ class SpeculationMsg(WireMessage):
         self.serve_s = check_float(owner, "serve_s", self.serve_s)
         B, K = self.draft_tokens.shape
         check_rows(owner, B, self, ("hit", "fallback"))
+        if self.copied.size == 0:
+            self.copied = np.zeros((B, K), np.bool_)  # none given: no draft was copied
+        if self.copied.shape != (B, K):
+            raise ProtocolError(f"{owner}.copied must have the shape of draft_tokens {(B, K)}, got {self.copied.shape}")
         if B and int(self.fallback.max()) > max(FallbackKind):
             raise ProtocolError(f"{owner}.fallback values must be FallbackKind values 0..{max(FallbackKind)}")
         if np.any(self.hit & (self.fallback != FallbackKind.NONE)):

@@ -11,7 +11,7 @@ import logging
 import os
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -22,6 +22,7 @@ from ssd.core.kv_cache_manager import KVCacheManager
 from ssd.executor.model_runner import GraphOptions, ModelRunner
 from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution
+from ssd.spec.lookup import LookupConfig
 from ssd.spec.ssd import protocol as wire
 from ssd.spec.ssd.draft_engine import JIT, RANDOM, BuildStats, DraftEngine, SpeculateRow
 from ssd.spec.ssd.fanout import BudgetController, parse_fan_out
@@ -50,6 +51,7 @@ class WorkerConfig:
     cpu_affinity: list[int] | None
     log_level: int = logging.WARNING
     graphs: GraphOptions | None = None  # CUDA graphs for glue and tree steps (None: eager)
+    lookup: LookupConfig = field(default_factory=LookupConfig)  # prompt lookup in drafts and fillers
 
 
 def _pin(config: WorkerConfig) -> None:
@@ -68,7 +70,7 @@ def build_draft_engine(config: WorkerConfig) -> DraftEngine:
     )
     kv = KVCacheManager(BlockPool(runner.num_blocks, config.block_size, config.enable_prefix_caching))
     dist = DraftDistribution.for_runner(runner, config.target_vocab_size, config.num_usable_tokens)
-    return DraftEngine(runner, kv, dist, config.num_speculative_tokens, config.saguaro_c, config.seed)
+    return DraftEngine(runner, kv, dist, config.num_speculative_tokens, config.saguaro_c, config.seed, config.lookup)
 
 
 class FanOutPlanner:
@@ -180,9 +182,11 @@ def speculation_message(
     round_id: int, results, K: int, vocab: int, build: BuildStats, serve_s: float
 ) -> wire.SpeculationMsg:
     tokens = np.zeros((len(results), K), dtype=np.int64)  # [B, K]
+    copied = np.zeros((len(results), K), dtype=np.bool_)  # [B, K]
     prob_rows, probs = [], []
     for i, r in enumerate(results):
         tokens[i, : len(r.tokens)] = r.tokens
+        copied[i, : len(r.copied)] = r.copied
         if r.probs is not None:
             prob_rows.append(i)
             padded = torch.zeros(K, vocab)  # [K, V]
@@ -195,6 +199,7 @@ def speculation_message(
         fallback=np.array([_FALLBACK_KIND[r.fallback] for r in results], dtype=np.uint8),
         prob_rows=np.array(prob_rows, dtype=np.int32),
         probs=torch.stack(probs).numpy() if probs else np.zeros((0, K, vocab), dtype=np.float32),
+        copied=copied,
         cache_build_s=build.seconds,
         cache_branches=build.num_branches,
         serve_s=serve_s,

@@ -1,0 +1,124 @@
+"""Prompt lookup (ssd/spec/lookup.py): exact proposals, the incremental index, and how drafts use it."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from ssd.config import SpeculativeConfig
+from ssd.outputs import SpecStats
+from ssd.sampling_params import SamplingParams
+from ssd.spec.drafting import DraftDistribution
+from ssd.spec.lookup import MAX_CANDIDATES, LookupConfig, PromptLookup
+from ssd.spec.ssd.protocol import SpeculationMsg, decode_message
+
+
+def reference(context: list[int], min_n: int, max_n: int) -> int | None:
+    """Brute force: for n = max_n down to min_n, the token after the most recent earlier occurrence of the
+    last n tokens."""
+    for n in range(min(max_n, len(context) - 1), min_n - 1, -1):
+        suffix = context[len(context) - n :]
+        for start in range(len(context) - n - 1, -1, -1):
+            if context[start : start + n] == suffix:
+                return context[start + n]
+    return None
+
+
+@pytest.mark.parametrize(
+    "tokens, tail, expected",
+    [
+        ([1, 2, 3, 9, 1, 2], (), 3),  # "1 2" was followed by 3
+        ([1, 2, 3, 9, 1], (2,), 3),  # the suffix straddles tokens and tail
+        ([5, 1, 2, 7, 6, 1, 2, 8, 5, 1], (2,), 7),  # the longer match (5 1 2) wins over the more recent (1 2)
+        ([1, 2, 7, 1, 2, 8, 1], (2,), 8),  # equal matches: the most recent
+        ([1, 2, 3, 4], (), None),  # the suffix never occurred before
+        ([4, 4, 4], (), 4),  # overlapping occurrence
+        ([7], (), None),
+        ([], (1, 2, 3, 1, 2), 3),  # everything in the tail
+    ],
+)
+def test_proposals(tokens, tail, expected):
+    assert PromptLookup(list(tokens), min_n=2, max_n=8).propose(tail) == expected
+
+
+def test_min_n_and_max_n():
+    tokens = [3, 1, 2, 7, 1, 2]
+    assert PromptLookup(tokens, min_n=3, max_n=8).propose() is None  # only a 2-token match exists
+    assert PromptLookup(tokens, min_n=1, max_n=1).propose() == 7  # "2" -> 7
+    # max_n caps the comparison: beyond it, the more recent of two matches wins
+    tokens = [9, 9, 1, 2, 5, 0, 9, 1, 2, 6, 9, 9, 1, 2]
+    assert PromptLookup(list(tokens), min_n=2, max_n=3).propose() == 6
+    assert PromptLookup(list(tokens), min_n=2, max_n=4).propose() == 5
+
+
+def test_index_grows_with_the_token_list_and_matches_brute_force():
+    rng = random.Random(0)
+    tokens: list[int] = []
+    lookup = PromptLookup(tokens, min_n=2, max_n=6)  # shares the list, as with a sequence's tokens
+    for _ in range(600):
+        tokens.append(rng.choice([rng.randrange(6), rng.randrange(40)]))  # many repeats, some novelties
+        tail = [rng.randrange(6) for _ in range(rng.randrange(5))]
+        assert lookup.propose(tail) == reference(tokens + tail, 2, 6)
+
+
+def test_candidates_are_bounded_most_recent_first():
+    tokens = [1, 2, 3] * (3 * MAX_CANDIDATES) + [1, 2]
+    assert PromptLookup(tokens).propose() == 3  # a long repetitive context still answers (and quickly)
+
+
+def test_config_validation_and_disabled():
+    assert LookupConfig(enabled=False).new([1, 2, 1, 2]) is None
+    assert LookupConfig().new([1, 2, 3, 1, 2]).propose() == 3
+    for bad in (dict(min_n=0), dict(min_n=3, max_n=2), dict(min_n=1.5)):
+        with pytest.raises(ValueError, match="prompt_lookup"):
+            LookupConfig(**bad)
+    with pytest.raises(ValueError, match="prompt_lookup_max"):
+        SpeculativeConfig(model="draft", prompt_lookup_min=4, prompt_lookup_max=3)
+    assert SpeculativeConfig(model="draft", prompt_lookup=False).lookup == LookupConfig(False, 2, 8)
+
+
+def test_forced_drafts_are_one_hot_and_draws_advance_generators_alike():
+    """A forced row proposes its token with q one-hot at it (so verification stays exact); every generator
+    advances exactly as without forcing, so the other rows' draws do not change."""
+    dist = DraftDistribution(target_vocab_size=10, num_usable_tokens=10)
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0), SamplingParams(temperature=0.7)]
+
+    def draw(forced):
+        gens = [torch.Generator().manual_seed(10 + i) for i in range(3)]
+        tokens, probs = dist.draw(logits, params, gens, None, forced=forced)
+        return tokens, probs, [torch.rand(1, generator=g).item() for g in gens]  # the next draw of each
+
+    free_tokens, free_probs, free_next = draw(None)
+    tokens, probs, next_draws = draw([7, None, 2])
+    assert tokens.tolist() == [7, free_tokens[1].item(), 2]
+    assert next_draws == free_next
+    assert torch.equal(probs[0], torch.nn.functional.one_hot(torch.tensor(7), 10).float())
+    assert torch.equal(probs[2], torch.nn.functional.one_hot(torch.tensor(2), 10).float())
+    assert torch.equal(probs[1], free_probs[1])
+    greedy_tokens, greedy_probs = dist.draw(logits, [SamplingParams(temperature=0.0)] * 3, [None] * 3,
+                                            torch.Generator().manual_seed(0), forced=[None, 4, None])
+    assert greedy_probs is None and greedy_tokens.tolist() == [logits[0].argmax().item(), 4, logits[2].argmax().item()]
+
+
+def test_spec_stats_count_copied_drafts():
+    stats = SpecStats()
+    stats.record_round(3, 1, [True, True, False])  # the first copy was accepted, the second rejected
+    stats.record_round(2, 2, [False, True])
+    stats.record_round(2, 0)  # a proposer that does not say
+    assert (stats.num_copied_tokens, stats.num_accepted_copied_tokens) == (3, 2)
+
+
+def test_speculation_message_carries_copied_flags():
+    msg = SpeculationMsg(3, np.array([[5, 6], [7, 8]]), [True, False], [0, 1], [], np.zeros((0, 2, 4), np.float32),
+                         copied=np.array([[True, False], [False, True]]))
+    again = decode_message(msg.pack())
+    assert again.copied.tolist() == [[True, False], [False, True]]
+    plain = SpeculationMsg(3, np.array([[5, 6]]), [True], [0], [], np.zeros((0, 2, 4), np.float32))
+    assert plain.copied.tolist() == [[False, False]]  # not given: nothing was copied
+    with pytest.raises(Exception, match="copied"):
+        SpeculationMsg(3, np.array([[5, 6]]), [True], [0], [], np.zeros((0, 2, 4), np.float32),
+                       copied=np.array([[True]]))
