@@ -144,11 +144,12 @@ def speculative_config(mode: str, args: argparse.Namespace, draft: str) -> dict[
     """The engine's ``speculative_config`` for a mode name: ``ar``, ``sd`` or ``ssd-<fallback>``."""
     if mode == "ar":
         return None
+    common = {"model": draft, "num_speculative_tokens": args.k, "prompt_lookup": getattr(args, "prompt_lookup", True)}
     if mode == "sd":
-        return {"method": "draft_model", "model": draft, "num_speculative_tokens": args.k}
+        return {"method": "draft_model", **common}
     fallback = mode.split("-", 1)[1]
-    return {"method": "ssd", "model": draft, "num_speculative_tokens": args.k, "fan_out": args.fan_out,
-            "fallback": fallback, "saguaro_c": getattr(args, "saguaro_c", 1.0)}
+    return {"method": "ssd", **common, "fan_out": args.fan_out, "fallback": fallback,
+            "saguaro_c": getattr(args, "saguaro_c", 1.0)}
 
 
 def build_specs(args, target: str, draft: str, prompts, layouts) -> list[WorkerSpec]:

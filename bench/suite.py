@@ -76,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (num_speculative_tokens)")
     p.add_argument("--fan-out", default="auto", help="SSD fan-out: an integer, a list 'a,b,..' (K+1), or 'auto'")
     p.add_argument("--saguaro-c", type=float, default=1.0, help="SSD Saguaro scaling constant in (0, 1]")
+    p.add_argument("--no-prompt-lookup", dest="prompt_lookup", action="store_false",
+                   help="SD and SSD draft with the model only (default: prompt lookup copies where it can)")
     p.add_argument("--modes", default=",".join(ALL_MODES), help=f"subset of {','.join(ALL_MODES)} (ar and sd required)")
     p.add_argument("--headline-ssd", default="ssd-auto", help="SSD mode whose ratios go into latest.json (default: the engine's default fallback)")
     p.add_argument("--target-threads", type=int, default=1, help="target threads in the extra-device layout")
@@ -225,7 +227,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     draft = resolve_model(args.draft) if args.draft else (str(DEFAULT_DRAFT) if DEFAULT_DRAFT.is_dir() else target)
     sets = {ds: load_prompt_set(ds, target, args.num_prompts, seed=args.seed) for ds in args.datasets}
     pair_note = pair_description(target, draft)
-    print(f"{pair_note}\nK={args.k}, fan_out={args.fan_out}, saguaro_c={args.saguaro_c}, output_len {args.output_len}, "
+    print(f"{pair_note}\nK={args.k}, fan_out={args.fan_out}, saguaro_c={args.saguaro_c}, prompt_lookup={args.prompt_lookup}, "
+          f"output_len {args.output_len}, "
           f"batch sizes {args.batch_sizes}, temperature {args.temperature}, {args.repeats} repeats, cores "
           f"{available_cpus()}")
     for s in sets.values():
@@ -300,7 +303,7 @@ def compare_modes(args: argparse.Namespace, target: str, draft: str, sets: dict[
         "dtype": args.dtype,
         "batch_size": args.batch_sizes[0],
         "ssd_mode": args.headline_ssd,
-        "k": args.k, "fan_out": args.fan_out, "saguaro_c": args.saguaro_c,
+        "k": args.k, "fan_out": args.fan_out, "saguaro_c": args.saguaro_c, "prompt_lookup": args.prompt_lookup,
         "output_len": args.output_len, "num_prompts": args.num_prompts, "repeats": args.repeats,
         "datasets": list(sets),
         "pair": {"target": target, "draft": draft},
