@@ -528,6 +528,7 @@ def _check_speculative_server(url: str, reference: Reference, method: str) -> No
         assert spec["num_drafts"] >= 1 and spec["num_emitted_tokens"] <= MAX_TOKENS
         assert spec["num_emitted_tokens"] == spec["num_accepted_tokens"] + spec["num_drafts"]
         assert sum(spec["num_accepted_tokens_per_pos"]) == spec["num_accepted_tokens"]
+        assert spec["num_accepted_copied_tokens"] <= spec["num_copied_tokens"] <= spec["num_draft_tokens"]
         assert 1 <= spec["num_first_step_tokens"] <= MAX_TOKENS
     # a non-streaming request agrees too
     r = client(url).completions.create(model=MODEL_NAME, prompt=PROMPTS[5], **GREEDY_BODY)
@@ -538,6 +539,8 @@ def _check_speculative_server(url: str, reference: Reference, method: str) -> No
     for usage_key, name in [("num_drafts", "ssd:spec_decode_num_drafts_total"),
                             ("num_draft_tokens", "ssd:spec_decode_num_draft_tokens_total"),
                             ("num_accepted_tokens", "ssd:spec_decode_num_accepted_tokens_total"),
+                            ("num_copied_tokens", "ssd:spec_decode_num_copied_tokens_total"),
+                            ("num_accepted_copied_tokens", "ssd:spec_decode_num_accepted_copied_tokens_total"),
                             ("cache_lookups", "ssd:spec_decode_cache_lookups_total"),
                             ("cache_hits", "ssd:spec_decode_cache_hits_total")]:
         grown = metric(after, name) - metric(before, name)

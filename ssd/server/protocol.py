@@ -335,6 +335,8 @@ def usage_dict(
             "num_accepted_tokens": spec.num_accepted_tokens,
             "num_emitted_tokens": spec.num_emitted_tokens,
             "num_accepted_tokens_per_pos": list(spec.num_accepted_tokens_per_pos),
+            "num_copied_tokens": spec.num_copied_tokens,
+            "num_accepted_copied_tokens": spec.num_accepted_copied_tokens,
             "acceptance_rate": spec.acceptance_rate,
             "mean_acceptance_length": spec.mean_acceptance_length,
             "cache_lookups": spec.cache_lookups,
