@@ -31,6 +31,7 @@ from ssd.models.parallel import (
     partition_heads,
     tp_rank_size,
 )
+from ssd.models.small_gemm import SmallRowMatmul
 
 if TYPE_CHECKING:
     from ssd.distributed.comm import TensorParallelGroup
@@ -242,6 +243,7 @@ class DecoderLM(nn.Module):
         self.lm_head = (
             None if cfg.tie_word_embeddings else VocabParallelHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         )
+        self.head_matmul = SmallRowMatmul()  # verification's few rows: the faster GEMM orientation on CPU
 
     @property
     def num_layers(self) -> int:
@@ -304,4 +306,4 @@ class DecoderLM(nn.Module):
         """Float32 logits ``[N, vocab]``; callers pass only the rows they sample from to save the big GEMM.
         Under tensor parallelism only the driver gets them (``None`` on other ranks)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V(/tp), hidden]
-        return parallel_logits(hidden, weight, self.config.vocab_size, self.tp)  # [N, V]
+        return parallel_logits(hidden, weight, self.config.vocab_size, self.tp, self.head_matmul)  # [N, V]

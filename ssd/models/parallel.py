@@ -10,6 +10,7 @@ its single-device ``torch.nn`` counterpart (same kernels, so outputs are bitwise
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -160,10 +161,12 @@ class VocabParallelHead(nn.Module):
 
 
 def parallel_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: "TensorParallelGroup | None"
+    hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: "TensorParallelGroup | None",
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
 ) -> torch.Tensor | None:
-    """Float32 logits ``[N, V]`` from a (vocabulary-parallel) head weight; ``None`` on non-driver ranks."""
-    logits = F.linear(hidden, weight).float()  # [N, V / tp] (all of V without tp)
+    """Float32 logits ``[N, V]`` from a (vocabulary-parallel) head weight; ``None`` on non-driver ranks.
+    ``matmul(hidden, weight)`` computes ``hidden @ weight.T`` (see :mod:`ssd.models.small_gemm`)."""
+    logits = matmul(hidden, weight).float()  # [N, V / tp] (all of V without tp)
     if tp is None:
         return logits
     gathered = tp.gather_last_dim(logits)  # [N, tp * ceil(V / tp)] on the driver
