@@ -16,7 +16,11 @@ After returning the speculation [t_n, e_1..e_K] for a round, :meth:`DraftEngine.
 
 When the outcome (k, t*) of verifying that speculation arrives, (k, t*) is looked up; a miss is served by the
 fallback: ``jit`` drafts K tokens sequentially now, ``random`` returns a filler with an explicit one-hot q
-(exact, almost always rejected, nearly free).
+(exact, nearly free: prompt lookup's copies while it finds matches, then the pending token repeated).
+
+With prompt lookup (``ssd/spec/lookup.py``) every draft step, in the tree and in ``jit``, proposes the token it
+copies from the context instead of the model's whenever it has one, with a one-hot q; the bonus fork (k = K)
+tries that copy first.
 """
 
 from __future__ import annotations
