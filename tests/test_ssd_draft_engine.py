@@ -22,7 +22,8 @@ from ssd.executor.model_runner import ModelRunner
 from ssd.sample.sampler import SamplingTensors, processed_probs
 from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution
-from ssd.spec.ssd.draft_engine import DraftEngine, SpeculateRow, SpeculationResult
+from ssd.spec.ssd.draft_engine import DraftEngine
+from ssd.spec.ssd.draft_state import SpeculateRow, SpeculationResult
 
 K = 3
 BLOCK = 4  # small blocks: glue and scratch regions straddle block boundaries

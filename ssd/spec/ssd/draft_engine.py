@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,59 +39,18 @@ from ssd.executor.model_runner import ModelRunner
 from ssd.sample.saguaro import saguaro_scale
 from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution, draft_sequentially
-from ssd.spec.lookup import LookupConfig, PromptLookup
+from ssd.spec.lookup import LookupConfig
+from ssd.spec.ssd.draft_state import (
+    BuildStats,
+    CachedSpeculation,
+    DraftSeqState,
+    SpeculateRow,
+    SpeculationResult,
+    drafts_before,
+)
 from ssd.spec.ssd.fallback_policy import JIT, RANDOM
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class CachedSpeculation:
-    tokens: list[int]  # e_1..e_K
-    probs: torch.Tensor | None  # [K, V] the exact q each e_j was drawn from (None for greedy sequences)
-    copied: list[bool]  # which e_j prompt lookup copied
-
-
-@dataclass
-class DraftSeqState:
-    mirror: Sequence  # committed tokens; num_computed_tokens = tokens whose draft K/V is valid
-    generator: torch.Generator
-    speculation: list[int] = field(default_factory=list)  # last returned [t_n, e_1..e_K]
-    num_valid_drafts: int = 0  # leading e_j whose K/V sits in natural slots (glue: all K, jit: K-1)
-    fan_out: list[int] = field(default_factory=list)  # F_0..F_K of the next cache build (Saguaro scales these)
-    cache: dict[tuple[int, int], CachedSpeculation] = field(default_factory=dict)
-    lookup: PromptLookup | None = None  # prompt lookup over the mirror's tokens
-
-    def copy(self, tail: list[int]) -> int | None:
-        """What prompt lookup proposes after the committed tokens and ``tail``, if anything."""
-        return None if self.lookup is None else self.lookup.propose(tail)
-
-    @property
-    def greedy(self) -> bool:
-        return self.mirror.sampling_params.is_greedy
-
-
-@dataclass
-class SpeculateRow:
-    seq_id: int
-    new_tokens: list[int]  # committed tokens the draft has not seen (ends with the pending token)
-    num_accepted: int  # k of the round just verified; -1 when there was none (first round, or after a reset)
-    num_drafts: int
-
-
-@dataclass
-class SpeculationResult:
-    tokens: list[int]
-    probs: torch.Tensor | None  # [K, V]; None for greedy sequences (q is one-hot at the token)
-    hit: bool
-    fallback: str | None  # None on a hit
-    copied: list[bool]  # which tokens prompt lookup copied
-
-
-@dataclass
-class BuildStats:
-    seconds: float = 0.0
-    num_branches: int = 0
 
 
 class DraftEngine:
@@ -378,11 +336,6 @@ class DraftEngine:
         if not self.kv.allocate_slots(mirror, num_tokens):
             raise RuntimeError("draft KV cache exhausted; it is sized to never run out before the target's")
 
-
-
-def drafts_before(state: DraftSeqState, k: int, token: int) -> list[int]:
-    """The tokens of branch (k, token) after the committed ones: e_1..e_k, then the token."""
-    return state.speculation[1 : k + 1] + [token]
 
 
 def draft_seed(request_seed: int | None, engine_seed: int, seq_id: int) -> int:

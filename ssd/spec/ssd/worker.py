@@ -24,7 +24,8 @@ from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution
 from ssd.spec.lookup import LookupConfig
 from ssd.spec.ssd import protocol as wire
-from ssd.spec.ssd.draft_engine import JIT, RANDOM, BuildStats, DraftEngine, SpeculateRow
+from ssd.spec.ssd.draft_engine import JIT, RANDOM, DraftEngine
+from ssd.spec.ssd.draft_state import BuildStats, SpeculateRow
 from ssd.spec.ssd.fanout import BudgetController, parse_fan_out
 
 logger = logging.getLogger(__name__)
