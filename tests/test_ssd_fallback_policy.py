@@ -5,6 +5,8 @@ import pytest
 from ssd.spec.ssd.fallback_policy import FallbackPolicy
 
 E, X = FallbackPolicy.EXPLORE_ROUNDS, FallbackPolicy.EXPLOIT_ROUNDS
+CYCLES = FallbackPolicy.MIN_MEASURED_ROUNDS // E  # exploration cycles before the first exploit window
+FIRST = 2 * E * CYCLES  # rounds before the first exploit window
 
 
 def _run(policy: FallbackPolicy, rounds: int, batch_size: int, speed: dict[str, float]) -> list[str]:
@@ -25,22 +27,43 @@ def test_fixed_kinds_and_validation():
 
 
 def test_auto_explores_both_then_exploits_the_faster():
+    """Exploration windows alternate until each fallback has MIN_MEASURED_ROUNDS measured rounds."""
+    assert CYCLES >= 2
     policy = FallbackPolicy("auto")
-    chosen = _run(policy, 2 * E + X, 1, {"jit": 8, "random": 11})
-    assert chosen == ["jit"] * E + ["random"] * E + ["random"] * X
+    chosen = _run(policy, FIRST + X, 1, {"jit": 8, "random": 11})
+    assert chosen == (["jit"] * E + ["random"] * E) * CYCLES + ["random"] * X
     assert policy.rates(1) == {"jit": 8.0, "random": 11.0}
     policy = FallbackPolicy("auto")
-    chosen = _run(policy, 2 * E + X, 1, {"jit": 12, "random": 7})
-    assert chosen[2 * E:] == ["jit"] * X
+    chosen = _run(policy, FIRST + X, 1, {"jit": 12, "random": 7})
+    assert chosen[FIRST:] == ["jit"] * X
+
+
+def test_rates_are_discounted_ratios_of_sums():
+    """Windows count by their rounds (an exploit window weighs more than an exploration window), and older
+    windows are discounted by DISCOUNT each time the fallback's next window ends."""
+    policy = FallbackPolicy("auto")
+    d = FallbackPolicy.DISCOUNT
+    tokens = {"jit": [4, 2], "random": [1, 1]}  # jit: 4 tokens per round in cycle 1, then 2 per round
+    for cycle in range(CYCLES):
+        for kind in ("jit", "random"):
+            for _ in range(E):
+                assert policy.choose(1) == kind
+                policy.observe_round(1, tokens[kind][min(cycle, 1)], 0.5)
+    jit_tokens, jit_seconds = E * 4, E * 0.5
+    for _ in range(1, CYCLES):
+        jit_tokens, jit_seconds = d * jit_tokens + E * 2, d * jit_seconds + E * 0.5
+    assert policy.rates(1)["jit"] == pytest.approx(jit_tokens / jit_seconds)
+    assert policy.rates(1)["random"] == pytest.approx(2.0)
 
 
 def test_auto_re_explores_and_follows_a_change():
     policy = FallbackPolicy("auto")
-    _run(policy, 2 * E + X, 1, {"jit": 12, "random": 7})
-    # The draft got slower (say, another load on its core): the next cycle measures and switches.
+    _run(policy, FIRST + X, 1, {"jit": 12, "random": 7})
+    # The draft got slower (say, another load on its core): the next cycles measure and switch.
     chosen = _run(policy, 2 * E + X, 1, {"jit": 4, "random": 7})
     assert chosen[: 2 * E] == ["jit"] * E + ["random"] * E
-    # jit's mean is 0.5 * 12 + 0.5 * 4 = 8 > 7: one cycle is not enough evidence, the next one is.
+    # jit's discounted sums still hold its 72 rounds at 12 tokens/s (rate 11 after one slow window):
+    # one cycle is not enough evidence; its own exploit window at 4 and the next cycle are.
     assert chosen[2 * E:] == ["jit"] * X
     chosen = _run(policy, 2 * E + X, 1, {"jit": 4, "random": 7})
     assert chosen[2 * E:] == ["random"] * X
@@ -48,8 +71,8 @@ def test_auto_re_explores_and_follows_a_change():
 
 def test_auto_keeps_batch_sizes_apart():
     policy = FallbackPolicy("auto")
-    _run(policy, 2 * E + 1, 1, {"jit": 12, "random": 7})
-    _run(policy, 2 * E + 1, 4, {"jit": 20, "random": 30})
+    _run(policy, FIRST + 1, 1, {"jit": 12, "random": 7})
+    _run(policy, FIRST + 1, 4, {"jit": 20, "random": 30})
     assert policy.choose(1) == "jit" and policy.choose(4) == "random"
     assert policy.rates(1) == {"jit": 12.0, "random": 7.0}
     assert policy.rates(4) == {"jit": 20.0, "random": 30.0}
@@ -57,7 +80,7 @@ def test_auto_keeps_batch_sizes_apart():
 
 def test_ties_go_to_random_and_unobserved_rounds_are_ignored():
     policy = FallbackPolicy("auto")
-    _run(policy, 2 * E + 1, 2, {"jit": 9, "random": 9})
+    _run(policy, FIRST + 1, 2, {"jit": 9, "random": 9})
     assert policy.choose(2) == "random"  # same throughput, and the draft is free sooner
     fixed = FallbackPolicy("jit")
     fixed.observe_round(1, 5, 1.0)  # no-op for a fixed policy

@@ -8,10 +8,13 @@ accepted further but put K draft steps on the critical path. Which wins depends 
 and the batch size, so "auto" runs each fallback for a short window and keeps the faster:
 
 - per batch size (throughput and the hit rate both depend on it), a cycle of `EXPLORE_ROUNDS` rounds with
-  jit, `EXPLORE_ROUNDS` with random, then `EXPLOIT_ROUNDS` with whichever emitted more tokens per second;
-- a window's rate is tokens emitted / wall time of its rounds (propose to verified, so the draft's serve
-  time, the verification and the hit rate all count), folded into a per-fallback mean with weight
-  `WINDOW_WEIGHT`; exploit windows refresh the winner's rate too.
+  jit, `EXPLORE_ROUNDS` with random, then `EXPLOIT_ROUNDS` with whichever emitted more tokens per second,
+  once each has been measured over at least `MIN_MEASURED_ROUNDS` rounds (until then cycles only explore);
+- a fallback's rate is the tokens emitted over the wall time of its measured rounds (propose to verified, so
+  the draft's serve time, the verification and the hit rate all count), both sums discounted by `DISCOUNT`
+  at the end of each of its windows: a ratio of sums over several windows, not a mean of short-window
+  ratios, because one round emits anywhere from 1 to K + 1 tokens and 8 rounds alone are too noisy to rank
+  two fallbacks 10-20% apart. Exploit windows refresh the winner's sums too.
 The first window of a cycle also pays for the previous fallback's cache, which is the same for both.
 """
 
@@ -28,16 +31,33 @@ Kind = Literal["jit", "random"]
 @dataclass
 class _Window:
     kind: Kind
-    rounds_left: int
+    rounds: int
+    rounds_left: int = field(init=False)
     tokens: int = 0
     seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.rounds_left = self.rounds
+
+
+@dataclass
+class _Measured:
+    """Discounted sums over a fallback's measured rounds."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    rounds: int = 0  # undiscounted: how much evidence there is
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
 
 
 @dataclass
 class _BatchSizeTrial:
-    """The explore/exploit cycle and the measured rates for one batch size."""
+    """The explore/exploit cycle and the measurements for one batch size."""
 
-    rates: dict[str, float] = field(default_factory=dict)  # fallback -> tokens per second
+    measured: dict[str, _Measured] = field(default_factory=dict)  # fallback -> its sums
     window: _Window | None = None
     next_explore: int = 0  # index into the exploration order
 
@@ -45,7 +65,8 @@ class _BatchSizeTrial:
 class FallbackPolicy:
     EXPLORE_ROUNDS = 8
     EXPLOIT_ROUNDS = 64
-    WINDOW_WEIGHT = 0.5
+    MIN_MEASURED_ROUNDS = 16
+    DISCOUNT = 0.75
     EXPLORE_ORDER: tuple[Kind, Kind] = (JIT, RANDOM)
 
     def __init__(self, kind: str) -> None:
@@ -74,14 +95,15 @@ class FallbackPolicy:
         w.seconds += max(seconds, 0.0)
         w.rounds_left -= 1
         if w.rounds_left == 0 and w.seconds > 0.0:
-            rate = w.tokens / w.seconds
-            old = trial.rates.get(w.kind)
-            trial.rates[w.kind] = rate if old is None else (1 - self.WINDOW_WEIGHT) * old + self.WINDOW_WEIGHT * rate
+            m = trial.measured.setdefault(w.kind, _Measured())
+            m.tokens = self.DISCOUNT * m.tokens + w.tokens
+            m.seconds = self.DISCOUNT * m.seconds + w.seconds
+            m.rounds += w.rounds
 
     def rates(self, batch_size: int) -> dict[str, float]:
         """Measured tokens per second per fallback at `batch_size` (empty until a window has ended)."""
         trial = self._trials.get(batch_size)
-        return dict(trial.rates) if trial is not None else {}
+        return {} if trial is None else {kind: m.rate for kind, m in trial.measured.items()}
 
     def _next_window(self, trial: _BatchSizeTrial) -> _Window:
         if trial.next_explore < len(self.EXPLORE_ORDER):
@@ -89,7 +111,9 @@ class FallbackPolicy:
             trial.next_explore += 1
             return _Window(kind, self.EXPLORE_ROUNDS)
         trial.next_explore = 0
-        if len(trial.rates) < len(self.EXPLORE_ORDER):  # a window without time: measure again
+        measured = [trial.measured.get(kind) for kind in self.EXPLORE_ORDER]
+        if any(m is None or m.rounds < self.MIN_MEASURED_ROUNDS for m in measured):  # not enough evidence yet
             return self._next_window(trial)
-        best = max(self.EXPLORE_ORDER, key=lambda k: (trial.rates[k], k == RANDOM))  # ties: random frees the draft
+        # ties: random, which frees the draft sooner
+        best = max(self.EXPLORE_ORDER, key=lambda k: (trial.measured[k].rate, k == RANDOM))
         return _Window(best, self.EXPLOIT_ROUNDS)
