@@ -13,7 +13,7 @@ from ssd.executor.forward_items import ForwardItem
 from ssd.executor.model_runner import ModelRunner
 from ssd.sample.sampler import SamplingTensors, draw_uniforms, processed_probs, sample
 from ssd.sampling_params import SamplingParams
-from ssd.spec.lookup import PromptLookup
+from ssd.spec.lookup import PromptLookup, copied_token
 
 
 class DraftDistribution:
@@ -109,10 +109,6 @@ class DraftDistribution:
         return _force(tokens, probs, forced), probs
 
 
-def _propose(lookup: PromptLookup | None, tail: list[int]) -> int | None:
-    return None if lookup is None else lookup.propose(tail)
-
-
 def _force(tokens: torch.Tensor, probs: torch.Tensor | None, forced: list[int | None] | None) -> torch.Tensor:
     """Put each forced token into ``tokens [N]`` and make its row of ``probs [N, V]`` one-hot (in place)."""
     rows = [i for i, token in enumerate(forced or ()) if token is not None]
@@ -173,7 +169,7 @@ def draft_sequentially(
         logits = runner.forward(items)  # [A, Vd]
         params = [mirrors[i].sampling_params for i in active]
         hook = None if adjust is None else lambda lg, pr: adjust(step, active, lg, pr)
-        forced = None if lookups is None else [_propose(lookups[i], drafted[i]) for i in active]
+        forced = None if lookups is None else [copied_token(lookups[i], drafted[i]) for i in active]
         tokens, probs = distribution.draw(
             logits, params, [generators[i] for i in active], default_generator, hook, forced
         )

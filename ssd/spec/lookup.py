@@ -39,6 +39,11 @@ class LookupConfig:
         return PromptLookup(tokens, self.min_n, self.max_n) if self.enabled else None
 
 
+def copied_token(lookup: "PromptLookup | None", tail: Sequence[int] = ()) -> int | None:
+    """``lookup.propose(tail)``, or None where prompt lookup is off (no lookup)."""
+    return None if lookup is None else lookup.propose(tail)
+
+
 class PromptLookup:
     def __init__(self, tokens: list[int], min_n: int = 2, max_n: int = 8) -> None:
         self.tokens = tokens  # shared with the sequence; only ever appended to

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ssd.core.sequence import Sequence
-from ssd.spec.lookup import PromptLookup
+from ssd.spec.lookup import PromptLookup, copied_token
 
 
 @dataclass
@@ -29,7 +29,7 @@ class DraftSeqState:
 
     def copy(self, tail: list[int]) -> int | None:
         """What prompt lookup proposes after the committed tokens and ``tail``, if anything."""
-        return None if self.lookup is None else self.lookup.propose(tail)
+        return copied_token(self.lookup, tail)
 
     @property
     def greedy(self) -> bool:
