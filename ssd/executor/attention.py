@@ -75,6 +75,17 @@ def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mappin
     cache.value.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The K or V rows of ``slots`` ``[B, L]`` from one layer's paged cache: ``[B, L, Hkv, D]``.
+
+    ``index_select`` on the flattened slots, not advanced indexing: on CPU the generic index kernel is 3-4x
+    slower for these row gathers (20 vs 6 us for 128 slots, 334 vs 77 us for 2,048, one thread).
+    """
+    num_kv_heads, head_dim = cache.shape[-2], cache.shape[-1]
+    rows = cache.view(-1, num_kv_heads, head_dim).index_select(0, slots.reshape(-1))  # [B*L, Hkv, D]
+    return rows.view(*slots.shape, num_kv_heads, head_dim)
+
+
 def paged_attention(
     query: torch.Tensor,  # [T, H, D]
     key: torch.Tensor,  # [T, Hkv, D]
@@ -90,10 +101,8 @@ def paged_attention(
     num_kv_heads = key.shape[1]
     write_kv(cache, key, value, meta.slot_mapping)
 
-    flat_k = cache.key.view(-1, num_kv_heads, head_dim)
-    flat_v = cache.value.view(-1, num_kv_heads, head_dim)
-    keys = flat_k[meta.kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
-    values = flat_v[meta.kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
+    keys = gather_slots(cache.key, meta.kv_slots).transpose(1, 2)  # [B, Hkv, L, D]
+    values = gather_slots(cache.value, meta.kv_slots).transpose(1, 2)  # [B, Hkv, L, D]
 
     gqa = num_heads != num_kv_heads
     if meta.mask is None:  # every sequence decodes one token and reads the same number of slots
@@ -131,10 +140,8 @@ def dense_paged_attention(
     batch, _, q_len, kv_len = meta.mask.shape
     write_kv(cache, key, value, meta.slot_mapping)
 
-    flat_k = cache.key.view(-1, num_kv_heads, head_dim)
-    flat_v = cache.value.view(-1, num_kv_heads, head_dim)
-    keys = flat_k[meta.kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
-    values = flat_v[meta.kv_slots].transpose(1, 2)  # [B, Hkv, L, D]
+    keys = gather_slots(cache.key, meta.kv_slots).transpose(1, 2)  # [B, Hkv, L, D]
+    values = gather_slots(cache.value, meta.kv_slots).transpose(1, 2)  # [B, Hkv, L, D]
     queries = query.reshape(batch, q_len, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)  # [B, Hkv, Q, G, D]
     queries = queries.reshape(batch, num_kv_heads, q_len * group, head_dim)  # [B, Hkv, Q*G, D]
     mask = meta.mask  # [B, 1, Q, L]; one query row per sequence broadcasts over the G packed rows

@@ -22,6 +22,7 @@ from torch import nn
 from ssd.executor.attention import AttentionMetadata, KVCache, paged_attention
 from ssd.models.arch import ModelArchConfig, RopeScaling
 from ssd.models.parallel import (
+    LinearProduct,
     RowParallelLinear,
     SourceSlice,
     VocabParallelEmbedding,
@@ -66,10 +67,15 @@ class MergedLinear(nn.Linear):
         bias: bool,
         dtype: torch.dtype | None = None,
         shard_sources: dict[str, slice] | None = None,
+        matmul: LinearProduct = F.linear,
     ) -> None:
         super().__init__(in_features, sum(shard_sizes.values()), bias=bias, dtype=dtype)
         self.shard_sizes = dict(shard_sizes)
         self.shard_sources = dict(shard_sources or {})
+        self.matmul = matmul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.weight, self.bias)
 
     def checkpoint_slice(self, shard: str) -> SourceSlice | None:
         """Rows of shard ``shard``'s checkpoint tensor (weight or bias) that this rank loads."""
@@ -140,7 +146,11 @@ class Attention(nn.Module):
     """Self-attention over this rank's heads (all heads without tensor parallelism)."""
 
     def __init__(
-        self, cfg: ModelArchConfig, dtype: torch.dtype | None = None, tp: "TensorParallelGroup | None" = None
+        self,
+        cfg: ModelArchConfig,
+        dtype: torch.dtype | None = None,
+        tp: "TensorParallelGroup | None" = None,
+        matmul: LinearProduct = F.linear,
     ) -> None:
         super().__init__()
         heads = partition_heads(cfg.num_attention_heads, cfg.num_key_value_heads, *tp_rank_size(tp))
@@ -157,9 +167,10 @@ class Attention(nn.Module):
             bias=cfg.qkv_bias,
             dtype=dtype,
             shard_sources=sources,
+            matmul=matmul,
         )
         self.o_proj = RowParallelLinear(
-            heads.num_q * d, cfg.hidden_size, cfg.o_proj_bias, source=q_rows, tp=tp, dtype=dtype
+            heads.num_q * d, cfg.hidden_size, cfg.o_proj_bias, source=q_rows, tp=tp, dtype=dtype, matmul=matmul
         )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
@@ -188,16 +199,22 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(
-        self, cfg: ModelArchConfig, dtype: torch.dtype | None = None, tp: "TensorParallelGroup | None" = None
+        self,
+        cfg: ModelArchConfig,
+        dtype: torch.dtype | None = None,
+        tp: "TensorParallelGroup | None" = None,
+        matmul: LinearProduct = F.linear,
     ) -> None:
         super().__init__()
         channels = partition_evenly(cfg.intermediate_size, *tp_rank_size(tp), what="intermediate_size")
         size = channels.stop - channels.start
         sources = None if tp is None else {"gate": channels, "up": channels}
         self.gate_up_proj = MergedLinear(
-            cfg.hidden_size, {"gate": size, "up": size}, bias=False, dtype=dtype, shard_sources=sources
+            cfg.hidden_size, {"gate": size, "up": size}, bias=False, dtype=dtype, shard_sources=sources, matmul=matmul
         )
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, source=channels, tp=tp, dtype=dtype)
+        self.down_proj = RowParallelLinear(
+            size, cfg.hidden_size, False, source=channels, tp=tp, dtype=dtype, matmul=matmul
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
@@ -206,13 +223,17 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, cfg: ModelArchConfig, dtype: torch.dtype | None = None, tp: "TensorParallelGroup | None" = None
+        self,
+        cfg: ModelArchConfig,
+        dtype: torch.dtype | None = None,
+        tp: "TensorParallelGroup | None" = None,
+        matmul: LinearProduct = F.linear,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, tp)
+        self.self_attn = Attention(cfg, dtype, tp, matmul)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, tp)
+        self.mlp = MLP(cfg, dtype, tp, matmul)
 
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, meta: AttentionMetadata
@@ -236,14 +257,15 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
+        # few-row products (verification, small batches, SSD trees): the faster GEMM orientation on CPU
+        self.matmul = SmallRowMatmul()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, tp) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, tp, self.matmul) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (
             None if cfg.tie_word_embeddings else VocabParallelHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         )
-        self.head_matmul = SmallRowMatmul()  # verification's few rows: the faster GEMM orientation on CPU
 
     @property
     def num_layers(self) -> int:
@@ -306,4 +328,4 @@ class DecoderLM(nn.Module):
         """Float32 logits ``[N, vocab]``; callers pass only the rows they sample from to save the big GEMM.
         Under tensor parallelism only the driver gets them (``None`` on other ranks)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V(/tp), hidden]
-        return parallel_logits(hidden, weight, self.config.vocab_size, self.tp, self.head_matmul)  # [N, V]
+        return parallel_logits(hidden, weight, self.config.vocab_size, self.tp, self.matmul)  # [N, V]

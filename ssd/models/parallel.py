@@ -84,9 +84,13 @@ def partition_vocab(vocab_size: int, rank: int, world: int) -> VocabPartition:
     return VocabPartition(start, min(start + local, vocab_size), local)
 
 
+LinearProduct = Callable[..., torch.Tensor]  # (x, weight, bias=None) -> x @ weight.T (+ bias), like F.linear
+
+
 class RowParallelLinear(nn.Linear):
     """``y = x W^T (+ b)`` where this rank holds the input columns ``source`` of W; partial outputs are
-    summed over ranks before the bias is added (once)."""
+    summed over ranks before the bias is added (once). ``matmul`` computes the product (``F.linear`` or a
+    :class:`ssd.models.small_gemm.SmallRowMatmul`)."""
 
     def __init__(
         self,
@@ -96,10 +100,12 @@ class RowParallelLinear(nn.Linear):
         source: slice,
         tp: "TensorParallelGroup | None",
         dtype: torch.dtype | None = None,
+        matmul: LinearProduct = F.linear,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, dtype=dtype)
         self.source = source
         self.tp = tp
+        self.matmul = matmul
 
     def checkpoint_slice(self, param_name: str) -> SourceSlice | None:
         if self.tp is None or param_name != "weight":
@@ -108,8 +114,8 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return super().forward(x)
-        out = self.tp.all_reduce(F.linear(x, self.weight))  # [T, out] summed over ranks
+            return self.matmul(x, self.weight, self.bias)
+        out = self.tp.all_reduce(self.matmul(x, self.weight))  # [T, out] summed over ranks
         return out if self.bias is None else out + self.bias
 
 
@@ -162,7 +168,7 @@ class VocabParallelHead(nn.Module):
 
 def parallel_logits(
     hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, tp: "TensorParallelGroup | None",
-    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear,
+    matmul: LinearProduct = F.linear,
 ) -> torch.Tensor | None:
     """Float32 logits ``[N, V]`` from a (vocabulary-parallel) head weight; ``None`` on non-driver ranks.
     ``matmul(hidden, weight)`` computes ``hidden @ weight.T`` (see :mod:`ssd.models.small_gemm`)."""

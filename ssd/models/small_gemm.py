@@ -1,12 +1,20 @@
-"""``x @ W.T`` for a few rows of ``x`` on CPU, in whichever of two equivalent GEMM orientations is faster.
+"""``x @ W.T (+ b)`` for a few rows of ``x`` on CPU, in whichever of two equivalent GEMM orientations is faster.
 
-BLAS libraries dispatch products with few rows (verifying K + 1 tokens against a large LM head: ``[M, H] x
-[H, V]`` with M = 2..16) to kernels whose speed varies wildly with M. With MKL on a 2-core AVX2 AMD EPYC,
-the 49,152 x 576 head of the default target takes 12 ms for one row, 42 ms for three and 23 ms for five,
-while the same product computed as ``(W @ x.T).T`` takes 6-12 ms for two to five rows. :class:`SmallRowMatmul`
-times both orientations the first time it meets a row count and keeps the faster (the transposed one must
-win by :data:`MARGIN`, so near ties keep the plain product and the choice does not flip between processes on
-noise). Both compute the same dot products; only the summation order inside the BLAS kernel may differ.
+BLAS libraries dispatch products with few rows (verifying K + 1 tokens, decoding a small batch, an SSD tree of a
+few branches: ``[M, H] x [H, N]`` with M = 2..16) to kernels whose speed varies wildly with M. With MKL on a
+2-core AVX2 AMD EPYC, one thread, the 49,152 x 576 head of the default target takes 12 ms for one row, 42 ms for
+three and 23 ms for five, while the same product computed as ``(W @ x.T).T`` takes 6-12 ms for two to five
+rows; over the 120 projections of its 30 layers the plain product takes 73 ms for two rows, 91 for three and
+66 for five, the transposed one 36, 60 and 51 (one row: 40 either way).
+
+:class:`SmallRowMatmul` times both orientations the first time it meets a (weight shape, row count) and keeps
+the faster; the transposed one must win by :data:`MARGIN`, so near ties keep the plain product. The timing
+must see the weights as a forward pass does, streamed from memory: a projection's few MB would sit in the
+last-level cache if the same matrix were multiplied repeatedly, and hot-cache timings favour the plain product
+(the wrong choice in a real forward). So each trial multiplies copies of the weight totalling
+:data:`COLD_BYTES` (twice this machine's 32 MiB L3), one product per copy, and the copies are freed after the
+measurement. Both orientations compute the same dot products; only the summation order inside the BLAS kernel
+may differ (last bits of float32).
 """
 
 from __future__ import annotations
@@ -18,9 +26,10 @@ import torch
 import torch.nn.functional as F
 
 MIN_ROWS, MAX_ROWS = 2, 16  # one row is a matrix-vector product; many rows already run at full speed
-MIN_WEIGHT_NUMEL = 1 << 20  # below this, call overhead dominates and there is nothing to win
-MARGIN = 1.25  # the transposed product must be this much faster to be chosen
-TRIALS = 3
+MIN_WEIGHT_NUMEL = 1 << 18  # below this (256k weights), call overhead dominates and there is nothing to win
+MARGIN = 1.15  # the transposed product must be this much faster to be chosen
+TRIALS = 2
+COLD_BYTES = 64 << 20  # weight copies streamed per trial, so that none is still cached when it is multiplied
 
 
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -34,33 +43,49 @@ def transposed_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, x.t()).t().contiguous()  # [rows, out]
 
 
-def seconds(product: Product, x: torch.Tensor, weight: torch.Tensor) -> float:
+def cold_seconds(product: Product, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
+    """Seconds per ``product(x, w)`` over ``weights`` (distinct copies, so each is read from memory)."""
     start = time.perf_counter()
-    product(x, weight)
-    return time.perf_counter() - start
+    for weight in weights:
+        product(x, weight)
+    return (time.perf_counter() - start) / len(weights)
+
+
+def cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """``weight`` itself when it alone exceeds :data:`COLD_BYTES`, else enough copies to."""
+    nbytes = weight.numel() * weight.element_size()
+    return [weight] + [weight.clone() for _ in range(-(-COLD_BYTES // nbytes) - 1)]
 
 
 class SmallRowMatmul:
-    """``F.linear(x, weight)`` (no bias) with a measured choice of orientation per (weight shape, rows)."""
+    """``F.linear(x, weight, bias)`` with a measured choice of orientation per (weight shape, rows).
 
-    def __init__(self, benchmark: Callable[[Product, torch.Tensor, torch.Tensor], float] = seconds) -> None:
-        self.benchmark = benchmark  # seconds one call of product(x, weight) takes
+    One instance serves every projection of a model (the choice depends on the shape, not on the values).
+    """
+
+    def __init__(self, benchmark: Callable[[Product, torch.Tensor, list[torch.Tensor]], float] = cold_seconds) -> None:
+        self.benchmark = benchmark  # seconds per product(x, w) over a list of copies of the weight
         self.transposed: dict[tuple, bool] = {}  # (weight shape, dtype, rows, threads) -> use (W @ x.T).T
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
         if (x.device.type != "cpu" or x.dim() != 2 or not MIN_ROWS <= rows <= MAX_ROWS
                 or weight.numel() < MIN_WEIGHT_NUMEL):
-            return plain_product(x, weight)
+            return F.linear(x, weight, bias)
         key = (tuple(weight.shape), weight.dtype, rows, torch.get_num_threads())
         use_transposed = self.transposed.get(key)
         if use_transposed is None:
             use_transposed = self.transposed[key] = self._measure(x, weight)
-        return (transposed_product if use_transposed else plain_product)(x, weight)
+        if not use_transposed:
+            return F.linear(x, weight, bias)
+        out = transposed_product(x, weight)  # [rows, out]
+        return out if bias is None else out + bias
 
     def _measure(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        plain, transposed = [], []
-        for _ in range(TRIALS):  # interleaved, best of each: robust to a busy neighbour
-            plain.append(self.benchmark(plain_product, x, weight))
-            transposed.append(self.benchmark(transposed_product, x, weight))
+        with torch.no_grad():
+            weights = cold_copies(weight.detach())
+            plain, transposed = [], []
+            for _ in range(TRIALS):  # interleaved, best of each: robust to a busy neighbour
+                plain.append(self.benchmark(plain_product, x, weights))
+                transposed.append(self.benchmark(transposed_product, x, weights))
         return min(transposed) * MARGIN < min(plain)
