@@ -29,11 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ssd.dtypes import DTYPE_NAMES, resolve_dtype  # noqa: E402
 
 from common import (  # noqa: E402
-    RESULTS_DIR,
     EngineRunner,
     HFRunner,
+    RESULTS_DIR,
     WorkerSpec,
     acceptance_histogram,
+    add_weight_format_args,
     available_cpus,
     chat_prompt_ids,
     close_workers,
@@ -44,6 +45,7 @@ from common import (  # noqa: E402
     print_table,
     ratio,
     resolve_model,
+    resolve_weight_formats,
     rotated,
     start_workers,
     write_json,
@@ -84,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
                    help="dtype of target and draft; auto: bfloat16 on CPUs with native bf16, else float32 "
                         "(float32 also makes greedy output independent of batch shape)")
+    add_weight_format_args(p)
     p.add_argument("--kv-cache-memory", default="256MiB", help="KV cache budget of the target")
     p.add_argument("--max-model-len", type=int, default=2048, help="max_model_len of the engines")
     p.add_argument("--hf-threads", type=int, default=None,
@@ -92,7 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers (assisted) reference")
     p.add_argument("--json", default=str(RESULTS_DIR / "spec_latest.json"), help="where to write the results")
     args = p.parse_args(argv)
-    args.dtype = resolve_dtype(args.dtype, "cpu")  # the concrete dtype, recorded with the results
+    requested_dtype, args.dtype = args.dtype, resolve_dtype(args.dtype, "cpu")  # the concrete dtype, recorded
+    resolve_weight_formats(args, requested_dtype)
     args.batch_sizes = parse_int_list(args.batch_sizes)
     args.layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     bad = sorted(set(args.layouts) - set(LAYOUTS))
@@ -144,7 +148,8 @@ def speculative_config(mode: str, args: argparse.Namespace, draft: str) -> dict[
     """The engine's ``speculative_config`` for a mode name: ``ar``, ``sd`` or ``ssd-<fallback>``."""
     if mode == "ar":
         return None
-    common = {"model": draft, "num_speculative_tokens": args.k, "prompt_lookup": getattr(args, "prompt_lookup", True)}
+    common = {"model": draft, "num_speculative_tokens": args.k, "prompt_lookup": getattr(args, "prompt_lookup", True),
+              "draft_weight_format": args.draft_weight_format}
     if mode == "sd":
         return {"method": "draft_model", **common}
     fallback = mode.split("-", 1)[1]
@@ -162,7 +167,8 @@ def build_specs(args, target: str, draft: str, prompts, layouts) -> list[WorkerS
                 pl.name, EngineRunner,
                 dict(model=target, threads=pl.target_threads, kv_cache_memory=args.kv_cache_memory,
                      max_model_len=args.max_model_len, speculative_config=speculative_config(mode, args, draft),
-                     warmup_prompt=prompts[0], warmup_batch=1, dtype=args.dtype),
+                     warmup_prompt=prompts[0], warmup_batch=1, dtype=args.dtype,
+                     weight_format=args.weight_format),
                 cpus=list(pl.cpus), threads=pl.target_threads,
             )
     if not args.no_hf:

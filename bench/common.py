@@ -13,6 +13,7 @@ starts its own draft process), so every script must guard its entry point with `
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import logging
@@ -412,10 +413,12 @@ class EngineRunner:
         warmup_prompt: list[int] | None = None,
         warmup_batch: int = 1,
         dtype: str = "bfloat16",
+        weight_format: str = "dense",
     ) -> None:
         from ssd import LLM
 
-        kwargs: dict[str, Any] = dict(dtype=dtype, kv_cache_memory=kv_cache_memory, num_threads=threads)
+        kwargs: dict[str, Any] = dict(dtype=dtype, weight_format=weight_format, kv_cache_memory=kv_cache_memory,
+                                      num_threads=threads)
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         self.threads = threads
@@ -785,3 +788,22 @@ def load_hf_assistant(path: str, torch_dtype: Any) -> Any:
     model.get_output_embeddings().register_forward_hook(widen_logits)
     model.config.get_text_config().vocab_size = target_vocab  # what generate() compares with the target's
     return model
+
+
+def add_weight_format_args(p: argparse.ArgumentParser) -> None:
+    from ssd.models.packed_fp16 import WEIGHT_FORMATS
+
+    p.add_argument("--weight-format", default="auto", choices=list(WEIGHT_FORMATS),
+                   help="the target's weights (as the engine: auto = fp16-packed when --dtype auto chose float32)")
+    p.add_argument("--draft-weight-format", default="auto", choices=list(WEIGHT_FORMATS),
+                   help="the draft's weights (as the engine: auto = fp16-packed in float32 on CPU)")
+
+
+def resolve_weight_formats(args: argparse.Namespace, requested_dtype: str) -> None:
+    """Concrete ``args.weight_format`` / ``args.draft_weight_format`` for ``args.dtype`` (already resolved from
+    ``requested_dtype``), as the engine resolves them, so that they are recorded with the results."""
+    from ssd.models.packed_fp16 import AUTO, DENSE, resolve_weight_format
+
+    target = args.weight_format if args.weight_format != AUTO or requested_dtype == AUTO else DENSE
+    args.weight_format = resolve_weight_format(target, "cpu", args.dtype)
+    args.draft_weight_format = resolve_weight_format(args.draft_weight_format, "cpu", args.dtype)

@@ -29,9 +29,10 @@ from ssd.dtypes import DTYPE_NAMES, resolve_dtype  # noqa: E402
 from bench_spec import LAYOUTS, batch_prompts, build_specs, pair_description, placements, run_metrics, summarise  # noqa: E402
 from bench_spec import speculative_config  # noqa: E402
 from common import (  # noqa: E402
-    RESULTS_DIR,
     EngineRunner,
+    RESULTS_DIR,
     WorkerSpec,
+    add_weight_format_args,
     available_cpus,
     close_workers,
     machine_info,
@@ -39,6 +40,7 @@ from common import (  # noqa: E402
     parse_int_list,
     print_table,
     resolve_model,
+    resolve_weight_formats,
     rotated,
     start_workers,
     write_json,
@@ -88,6 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
                    help="dtype of target and draft; auto: bfloat16 on CPUs with native bf16, else float32 "
                         "(float32 also makes greedy output independent of batch shape)")
+    add_weight_format_args(p)
     p.add_argument("--exact-dtype", default="float32", choices=["float32", "bfloat16", "none"],
                    help="dtype of the separate greedy exactness check ('none': judge exactness on the main run)")
     p.add_argument("--exact-num-prompts", type=int, default=1, help="prompts per set in the exactness check")
@@ -106,7 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--latest", default=str(RESULTS_DIR / "latest.json"), help="headline results ('' to skip)")
     p.add_argument("--plots-dir", default=str(RESULTS_DIR / "plots"), help="PNG plots ('' to skip)")
     args = p.parse_args(argv)
-    args.dtype = resolve_dtype(args.dtype, "cpu")  # the concrete dtype, recorded with the results
+    requested_dtype, args.dtype = args.dtype, resolve_dtype(args.dtype, "cpu")  # the concrete dtype, recorded
+    resolve_weight_formats(args, requested_dtype)
     args.batch_sizes = parse_int_list(args.batch_sizes)
     args.layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     args.datasets = [x.strip() for x in args.datasets.split(",") if x.strip()]
@@ -227,7 +231,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     draft = resolve_model(args.draft) if args.draft else (str(DEFAULT_DRAFT) if DEFAULT_DRAFT.is_dir() else target)
     sets = {ds: load_prompt_set(ds, target, args.num_prompts, seed=args.seed) for ds in args.datasets}
     pair_note = pair_description(target, draft)
-    print(f"{pair_note}\nK={args.k}, fan_out={args.fan_out}, saguaro_c={args.saguaro_c}, prompt_lookup={args.prompt_lookup}, "
+    print(f"{pair_note}\nweights: target {args.weight_format}, draft {args.draft_weight_format} ({args.dtype})\n"
+          f"K={args.k}, fan_out={args.fan_out}, saguaro_c={args.saguaro_c}, prompt_lookup={args.prompt_lookup}, "
           f"output_len {args.output_len}, "
           f"batch sizes {args.batch_sizes}, temperature {args.temperature}, {args.repeats} repeats, cores "
           f"{available_cpus()}")
@@ -301,6 +306,8 @@ def compare_modes(args: argparse.Namespace, target: str, draft: str, sets: dict[
         "exact_main_dtype": main_verdict,
         "exact_main_dtype_min_agreeing_prefix": min(prefixes) if prefixes else None,
         "dtype": args.dtype,
+        "weight_format": args.weight_format,
+        "draft_weight_format": args.draft_weight_format,
         "batch_size": args.batch_sizes[0],
         "ssd_mode": args.headline_ssd,
         "k": args.k, "fan_out": args.fan_out, "saguaro_c": args.saguaro_c, "prompt_lookup": args.prompt_lookup,
@@ -316,8 +323,9 @@ def compare_modes(args: argparse.Namespace, target: str, draft: str, sets: dict[
 
 def exactness_check(args: argparse.Namespace, target: str, draft: str, sets: dict[str, PromptSet]) -> dict[str, Any]:
     """Greedy outputs of every mode in ``--exact-dtype`` (float32: batch shape no longer changes rounding)."""
+    formats = {} if args.exact_dtype == "float32" else {"weight_format": "dense", "draft_weight_format": "dense"}
     ns = variant(args, dtype=args.exact_dtype, layouts=[EXTRA], repeats=1,
-                 output_len=min(args.exact_output_len, args.output_len))
+                 output_len=min(args.exact_output_len, args.output_len), **formats)
     small = truncated(sets, args.exact_num_prompts)
     m = measure(ns, target, draft, small, f"exactness {args.exact_dtype}")
     reports = {ds: exactness_report(m.keyed(ds, "tokens", repeat=0)[0], len(s.prompts)) for ds, s in small.items()}
@@ -343,7 +351,8 @@ def sweep(args: argparse.Namespace, target: str, draft: str, sets: dict[str, Pro
         return WorkerSpec(name, EngineRunner, dict(model=target, threads=pl.target_threads,
                                                    kv_cache_memory=args.kv_cache_memory,
                                                    max_model_len=args.max_model_len, speculative_config=config,
-                                                   warmup_prompt=first, dtype=args.dtype),
+                                                   warmup_prompt=first, dtype=args.dtype,
+                                                   weight_format=args.weight_format),
                           cpus=list(pl.cpus), threads=pl.target_threads)
 
     rows: list[dict[str, Any]] = []

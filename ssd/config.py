@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ssd.dtypes import DTYPE_NAMES, resolve_dtype
+from ssd.models.packed_fp16 import AUTO, DENSE, WEIGHT_FORMATS, resolve_weight_format
 from ssd.spec.lookup import LookupConfig
 from ssd.spec.ssd.fallback_policy import FALLBACKS
 from ssd.spec.ssd.fanout import check_budget, is_auto_spec
@@ -43,6 +44,8 @@ class SpeculativeConfig:
     model: str | None = None
     num_speculative_tokens: int = 4
     draft_dtype: str | None = None  # default: the target's dtype; "auto" resolves for the draft's device
+    # "auto": float16 weights packed for FBGEMM where the draft runs on CPU in float32 (ssd/models/packed_fp16.py)
+    draft_weight_format: str = AUTO
     # Drafts copy the token that followed the longest earlier match (>= min, counted to max tokens) of the
     # context's suffix, when there is one (ssd/spec/lookup.py); both SD and SSD.
     prompt_lookup: bool = True
@@ -90,6 +93,9 @@ class SpeculativeConfig:
             raise ValueError(f"draft_timeout_s must be positive, got {self.draft_timeout_s!r}")
         if self.draft_dtype is not None and self.draft_dtype not in DTYPE_NAMES:
             raise ValueError(f"draft_dtype {self.draft_dtype!r} is not supported; choose one of {list(DTYPE_NAMES)}")
+        if self.draft_weight_format not in WEIGHT_FORMATS:
+            raise ValueError(f"draft_weight_format {self.draft_weight_format!r} is not supported; choose one of "
+                             f"{list(WEIGHT_FORMATS)}")
 
     @property
     def lookup(self) -> LookupConfig:
@@ -103,6 +109,9 @@ class EngineConfig:
     model: str
     tokenizer: str | None = None
     dtype: str = "auto"  # bfloat16 where the device has native bf16, else float32 (CPU) / float16 (CUDA)
+    # "auto": float16 weights packed for FBGEMM where dtype "auto" resolved to float32 on CPU (an explicit
+    # dtype="float32" keeps float32 weights); "dense" or "fp16-packed" to choose (ssd/models/packed_fp16.py)
+    weight_format: str = AUTO
     device: str = "cpu"
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 4096
     block_size: int = 16
@@ -122,6 +131,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         requested_dtype, self.dtype = self.dtype, resolve_dtype(self.dtype, self.device)
+        if self.weight_format == AUTO and requested_dtype != AUTO:
+            self.weight_format = DENSE
+        self.weight_format = resolve_weight_format(self.weight_format, self.device, self.dtype)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -141,6 +153,8 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
         spec = self.speculative_config
         if spec is not None:  # the draft's own device decides what "auto" means for it (a copy: no caller mutation)
-            draft_dtype = resolve_dtype(spec.draft_dtype or requested_dtype, spec.draft_device or self.device)
-            self.speculative_config = replace(spec, draft_dtype=draft_dtype)
+            draft_device = spec.draft_device or self.device
+            draft_dtype = resolve_dtype(spec.draft_dtype or requested_dtype, draft_device)
+            weight_format = resolve_weight_format(spec.draft_weight_format, draft_device, draft_dtype)
+            self.speculative_config = replace(spec, draft_dtype=draft_dtype, draft_weight_format=weight_format)
 

@@ -178,10 +178,11 @@ def test_draft_equal_to_target_hits_every_round_and_accepts_everything(models):
     (nothing cached yet) and every later round finds its key (k = all drafts, t* = the bonus, which is the
     draft's own top candidate); every round accepts all of its drafts, so the rounds are exactly those of
     full acceptance (``_full_acceptance_rounds``), including the short last ones. Prompt lookup is off: a
-    copied token would be a draft the target's own model did not choose."""
+    copied token would be a draft the target's own model did not choose; dense weights: the draft must be
+    the target to the last bit (float16 weights could flip a near tie)."""
     K = 3
     with _ssd(models, draft=models.target, num_speculative_tokens=K, fan_out=1, fallback="jit",
-              prompt_lookup=False) as llm:
+              prompt_lookup=False, draft_weight_format="dense") as llm:
         outputs = llm.generate(PROMPTS, GREEDY)
         _assert_greedy(outputs, models, range(len(PROMPTS)))
         for out, params in zip(outputs, GREEDY):

@@ -7,6 +7,7 @@ import logging
 from typing import Any
 
 from ssd.dtypes import DTYPE_NAMES
+from ssd.models.packed_fp16 import WEIGHT_FORMATS
 from ssd.sampling_params import SamplingParams
 
 
@@ -22,6 +23,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="target checkpoint folder (default: the fetched SmolLM2-135M)")
     g.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
                    help="auto: bfloat16 where the device computes it natively, else float32 on CPU, float16 on CUDA")
+    g.add_argument("--weight-format", default="dense", choices=list(WEIGHT_FORMATS),
+                   help="fp16-packed: float16 weights in FBGEMM's packed GEMM (CPU, float32; auto: where it applies)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=16)
@@ -37,6 +40,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--draft", default=None, help="draft checkpoint folder; enables speculation")
     s.add_argument("--method", default="ssd", choices=["ssd", "draft_model"], help="with --draft (default ssd)")
     s.add_argument("--k", type=int, default=4, help="draft tokens per round (lookahead K)")
+    s.add_argument("--draft-weight-format", default="auto", choices=list(WEIGHT_FORMATS),
+                   help="the draft's weights (default auto: fp16-packed on CPU in float32)")
     s.add_argument("--no-prompt-lookup", action="store_true",
                    help="draft with the model only (default: copy a token that followed an earlier match)")
     s.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest context match prompt lookup copies after")
@@ -68,6 +73,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         model=args.model or default_model(),
         dtype=args.dtype,
+        weight_format=args.weight_format,
         device=args.device,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -81,7 +87,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         spec: dict[str, Any] = dict(
             method=args.method, model=args.draft, num_speculative_tokens=args.k,
             prompt_lookup=not args.no_prompt_lookup, prompt_lookup_min=args.prompt_lookup_min,
-            prompt_lookup_max=args.prompt_lookup_max,
+            prompt_lookup_max=args.prompt_lookup_max, draft_weight_format=args.draft_weight_format,
         )
         if args.method == "ssd":
             spec.update(

@@ -35,6 +35,7 @@ class RunnerArgs:
     kv_cache_memory: int | None
     kv_cache_fraction: float
     max_num_seqs: int
+    weight_format: str = "dense"  # resolved by EngineConfig (ssd/models/packed_fp16.py)
 
     @classmethod
     def from_config(cls, config: "EngineConfig") -> "RunnerArgs":
@@ -46,6 +47,7 @@ class RunnerArgs:
             kv_cache_memory=config.kv_cache_memory,  # type: ignore[arg-type] # parsed to bytes by EngineConfig
             kv_cache_fraction=config.kv_cache_fraction,
             max_num_seqs=config.max_num_seqs,
+            weight_format=config.weight_format,
         )
 
 
@@ -85,6 +87,7 @@ def build_runner(
         max_num_seqs=args.max_num_seqs,
         tp=tp,
         graphs=graphs,
+        weight_format=args.weight_format,
     )
 
 

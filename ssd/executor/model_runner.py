@@ -28,6 +28,7 @@ from ssd.executor.memory import available_memory_bytes
 from ssd.models.arch import ModelArchConfig
 from ssd.models.draft_vocab import DraftVocab
 from ssd.models.loader import load_model
+from ssd.models.packed_fp16 import DENSE, FP16_PACKED, pack_fp16_weights
 
 if TYPE_CHECKING:
     from ssd.distributed.comm import TensorParallelGroup
@@ -61,6 +62,7 @@ class ModelRunner:
         max_num_seqs: int = 16,
         tp: "TensorParallelGroup | None" = None,
         graphs: GraphOptions | None = None,
+        weight_format: str = DENSE,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = torch_dtype(resolve_dtype(dtype, str(self.device)))
@@ -69,6 +71,11 @@ class ModelRunner:
         start = time.perf_counter()
         self.model, self.arch = load_model(model_path, dtype=self.dtype, device=self.device, tp=tp)
         self.model.eval()
+        self.weight_format = weight_format
+        if weight_format == FP16_PACKED:
+            logger.info("packed %d weight matrices as float16 for FBGEMM", pack_fp16_weights(self.model))
+        elif weight_format != DENSE:
+            raise ValueError(f"weight_format must be {DENSE!r} or {FP16_PACKED!r} here, got {weight_format!r}")
         self.draft_vocab = DraftVocab.load(model_path)
         self._input_map = None  # target id -> model id, for drafts with a reduced vocabulary
         if self.draft_vocab is not None:

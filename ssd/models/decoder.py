@@ -259,6 +259,7 @@ class DecoderLM(nn.Module):
         self.tp = tp
         # few-row products (verification, small batches, SSD trees): the faster GEMM orientation on CPU
         self.matmul = SmallRowMatmul()
+        self.head_matmul: LinearProduct = self.matmul  # a PackedFp16Product with packed weights (packed_fp16.py)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, tp, self.matmul) for _ in range(cfg.num_hidden_layers))
@@ -327,5 +328,9 @@ class DecoderLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits ``[N, vocab]``; callers pass only the rows they sample from to save the big GEMM.
         Under tensor parallelism only the driver gets them (``None`` on other ranks)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # [V(/tp), hidden]
-        return parallel_logits(hidden, weight, self.config.vocab_size, self.tp, self.matmul)  # [N, V]
+        return parallel_logits(hidden, self.head_weight, self.config.vocab_size, self.tp, self.head_matmul)  # [N, V]
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight ``[V(/tp), hidden]``: the input embedding when tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -29,6 +29,7 @@ def build_ssd_proposer(engine: "LLMEngine") -> SSDProposer:
     config = WorkerConfig(
         model=spec.model,
         dtype=spec.draft_dtype,
+        weight_format=spec.draft_weight_format,
         device=device,
         block_size=cfg.block_size,
         max_model_len=engine.max_model_len,

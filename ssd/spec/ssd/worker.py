@@ -53,6 +53,7 @@ class WorkerConfig:
     log_level: int = logging.WARNING
     graphs: GraphOptions | None = None  # CUDA graphs for glue and tree steps (None: eager)
     lookup: LookupConfig = field(default_factory=LookupConfig)  # prompt lookup in drafts and fillers
+    weight_format: str = "dense"  # resolved by EngineConfig: "dense" or "fp16-packed" (packed_fp16.py)
 
 
 def _pin(config: WorkerConfig) -> None:
@@ -67,7 +68,7 @@ def build_draft_engine(config: WorkerConfig) -> DraftEngine:
     runner = ModelRunner(
         config.model, config.dtype, config.device, config.block_size, config.max_model_len,
         kv_cache_memory=None, kv_cache_fraction=0.5, num_blocks=config.num_blocks,
-        graphs=config.graphs,
+        graphs=config.graphs, weight_format=config.weight_format,
     )
     kv = KVCacheManager(BlockPool(runner.num_blocks, config.block_size, config.enable_prefix_caching))
     dist = DraftDistribution.for_runner(runner, config.target_vocab_size, config.num_usable_tokens)
