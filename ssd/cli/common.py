@@ -23,8 +23,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="target checkpoint folder (default: the fetched SmolLM2-135M)")
     g.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
                    help="auto: bfloat16 where the device computes it natively, else float32 on CPU, float16 on CUDA")
-    g.add_argument("--weight-format", default="dense", choices=list(WEIGHT_FORMATS),
-                   help="fp16-packed: float16 weights in FBGEMM's packed GEMM (CPU, float32; auto: where it applies)")
+    g.add_argument("--weight-format", default="auto", choices=list(WEIGHT_FORMATS),
+                   help="fp16-packed: float16 weights in FBGEMM's packed GEMM (CPU, float32); auto (default): "
+                        "that where --dtype auto chose float32, else dense")
     g.add_argument("--device", default="cpu")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=16)
