@@ -16,6 +16,7 @@ import torch
 
 from ssd.distributed.comm import DistributedInit, TensorParallelGroup
 from ssd.distributed.commands import ForwardCommand, ShutdownCommand
+from ssd.models.packed_fp16 import DENSE
 
 if TYPE_CHECKING:
     from ssd.config import EngineConfig
@@ -35,7 +36,7 @@ class RunnerArgs:
     kv_cache_memory: int | None
     kv_cache_fraction: float
     max_num_seqs: int
-    weight_format: str = "dense"  # resolved by EngineConfig (ssd/models/packed_fp16.py)
+    weight_format: str = DENSE  # resolved by EngineConfig (ssd/models/packed_fp16.py)
 
     @classmethod
     def from_config(cls, config: "EngineConfig") -> "RunnerArgs":

@@ -20,6 +20,7 @@ import torch
 from ssd.core.block_pool import BlockPool
 from ssd.core.kv_cache_manager import KVCacheManager
 from ssd.executor.model_runner import GraphOptions, ModelRunner
+from ssd.models.packed_fp16 import DENSE
 from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution
 from ssd.spec.lookup import LookupConfig
@@ -53,7 +54,7 @@ class WorkerConfig:
     log_level: int = logging.WARNING
     graphs: GraphOptions | None = None  # CUDA graphs for glue and tree steps (None: eager)
     lookup: LookupConfig = field(default_factory=LookupConfig)  # prompt lookup in drafts and fillers
-    weight_format: str = "dense"  # resolved by EngineConfig: "dense" or "fp16-packed" (packed_fp16.py)
+    weight_format: str = DENSE  # resolved by EngineConfig: DENSE or FP16_PACKED (ssd/models/packed_fp16.py)
 
 
 def _pin(config: WorkerConfig) -> None:
