@@ -4,8 +4,9 @@ combine the slices (Megatron-style column/row pairs, vocabulary-parallel embeddi
 Column-parallel projections (fused q/k/v and gate/up) keep the layer's input whole and split their output
 rows by attention head or by intermediate channel, so attention and the SiLU gate run on local data. The
 following row-parallel projection (o_proj, down_proj) splits its input columns the same way and sums the
-partial outputs with one all-reduce per projection. With ``tp=None`` every layer here behaves exactly like
-its single-device ``torch.nn`` counterpart (same kernels, so outputs are bitwise unchanged).
+partial outputs with one all-reduce per projection. With ``tp=None`` every layer here computes what its
+single-device ``torch.nn`` counterpart computes; the projections' products go through the model's ``matmul``
+(``F.linear``, the measured orientation of :mod:`ssd.models.small_gemm`, or packed float16 weights).
 """
 
 from __future__ import annotations
