@@ -802,8 +802,8 @@ def add_weight_format_args(p: argparse.ArgumentParser) -> None:
 def resolve_weight_formats(args: argparse.Namespace, requested_dtype: str) -> None:
     """Concrete ``args.weight_format`` / ``args.draft_weight_format`` for ``args.dtype`` (already resolved from
     ``requested_dtype``), as the engine resolves them, so that they are recorded with the results."""
-    from ssd.models.packed_fp16 import AUTO, DENSE, resolve_weight_format
+    from ssd.models.packed_fp16 import AUTO, resolve_weight_format
 
-    target = args.weight_format if args.weight_format != AUTO or requested_dtype == AUTO else DENSE
-    args.weight_format = resolve_weight_format(target, "cpu", args.dtype)
+    args.weight_format = resolve_weight_format(args.weight_format, "cpu", args.dtype,
+                                               explicit_dtype=requested_dtype != AUTO)
     args.draft_weight_format = resolve_weight_format(args.draft_weight_format, "cpu", args.dtype)

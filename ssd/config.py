@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ssd.dtypes import DTYPE_NAMES, resolve_dtype
-from ssd.models.packed_fp16 import AUTO, DENSE, WEIGHT_FORMATS, resolve_weight_format
+from ssd.models.packed_fp16 import AUTO, WEIGHT_FORMATS, resolve_weight_format
 from ssd.spec.lookup import LookupConfig
 from ssd.spec.ssd.fallback_policy import FALLBACKS
 from ssd.spec.ssd.fanout import check_budget, is_auto_spec
@@ -131,9 +131,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         requested_dtype, self.dtype = self.dtype, resolve_dtype(self.dtype, self.device)
-        if self.weight_format == AUTO and requested_dtype != AUTO:
-            self.weight_format = DENSE
-        self.weight_format = resolve_weight_format(self.weight_format, self.device, self.dtype)
+        self.weight_format = resolve_weight_format(
+            self.weight_format, self.device, self.dtype, explicit_dtype=requested_dtype != AUTO
+        )
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -45,6 +45,8 @@ def test_resolution_of_formats():
     assert resolve_weight_format("auto", "cuda:0", "float32") == "dense"
     assert resolve_weight_format("dense", "cpu", "float32") == "dense"
     assert resolve_weight_format("fp16-packed", "cpu", "float32") == "fp16-packed"
+    assert resolve_weight_format("auto", "cpu", "float32", explicit_dtype=True) == "dense"  # a target's named fp32
+    assert resolve_weight_format("fp16-packed", "cpu", "float32", explicit_dtype=True) == "fp16-packed"
     for device, dtype in (("cuda", "float32"), ("cpu", "bfloat16")):
         with pytest.raises(ValueError, match="needs a CPU device, dtype float32"):
             resolve_weight_format("fp16-packed", device, dtype)

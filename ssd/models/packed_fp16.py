@@ -33,14 +33,15 @@ def fbgemm_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-def resolve_weight_format(weight_format: str, device: str, dtype: str) -> str:
+def resolve_weight_format(weight_format: str, device: str, dtype: str, explicit_dtype: bool = False) -> str:
     """``"dense"`` or ``"fp16-packed"`` for a model on ``device`` in ``dtype`` (a resolved dtype name);
-    raises ``ValueError`` for an unknown format or a packed format that cannot run there."""
+    ``explicit_dtype``: the user named the dtype (a target's ``"auto"`` then keeps dense weights). Raises
+    ``ValueError`` for an unknown format or a packed format that cannot run there."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight format {weight_format!r} is not supported; choose one of {list(WEIGHT_FORMATS)}")
     applies = str(device).startswith("cpu") and dtype == "float32" and fbgemm_available()
     if weight_format == AUTO:
-        return FP16_PACKED if applies else DENSE
+        return FP16_PACKED if applies and not explicit_dtype else DENSE
     if weight_format == FP16_PACKED and not applies:
         raise ValueError(
             f"weight format {FP16_PACKED!r} needs a CPU device, dtype float32 and PyTorch's FBGEMM backend; got "
@@ -61,7 +62,6 @@ class PackedFp16Product:
     def __init__(self, weight: torch.Tensor) -> None:
         if weight.dim() != 2 or weight.device.type != "cpu":
             raise ValueError(f"a packed weight must be a 2-D CPU tensor, got {tuple(weight.shape)} on {weight.device}")
-        self.out_features, self.in_features = weight.shape
         if weight.numel() and float(weight.detach().abs().max()) > FP16_MAX:
             raise ValueError(
                 f"a weight of shape {tuple(weight.shape)} exceeds the float16 range (|w| > {FP16_MAX:g}); "
