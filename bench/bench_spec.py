@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft", default=None, help="draft checkpoint folder (default: the target itself)")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (num_speculative_tokens)")
     p.add_argument("--fan-out", default="auto", help="SSD fan-out: an integer per k, a list 'a,b,..' (K+1), or a policy")
+    p.add_argument("--filler-padding", default="auto", choices=["none", "repeat", "auto"],
+                   help="SSD random fillers past prompt lookup's copies (as the engine: auto = none on CPU)")
     p.add_argument("--num-prompts", type=int, default=4, help="prompts per measurement")
     p.add_argument("--output-len", type=int, default=64, help="new tokens per prompt (EOS ignored)")
     p.add_argument("--batch-sizes", default="1,4", help="comma-separated batch sizes (default 1,4)")
@@ -154,7 +156,7 @@ def speculative_config(mode: str, args: argparse.Namespace, draft: str) -> dict[
         return {"method": "draft_model", **common}
     fallback = mode.split("-", 1)[1]
     return {"method": "ssd", **common, "fan_out": args.fan_out, "fallback": fallback,
-            "saguaro_c": getattr(args, "saguaro_c", 1.0)}
+            "saguaro_c": getattr(args, "saguaro_c", 1.0), "filler_padding": args.filler_padding}
 
 
 def build_specs(args, target: str, draft: str, prompts, layouts) -> list[WorkerSpec]:

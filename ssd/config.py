@@ -9,7 +9,7 @@ from typing import Any
 from ssd.dtypes import DTYPE_NAMES, resolve_dtype
 from ssd.models.packed_fp16 import AUTO, WEIGHT_FORMATS, resolve_weight_format
 from ssd.spec.lookup import LookupConfig
-from ssd.spec.ssd.fallback_policy import FALLBACKS
+from ssd.spec.ssd.fallback_policy import FALLBACKS, FILLER_PADDINGS
 from ssd.spec.ssd.fanout import check_budget, is_auto_spec
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -56,6 +56,9 @@ class SpeculativeConfig:
     fan_out_miss: int | list[int] | str | None = None
     fan_out_budget: int | None = None  # branches per sequence of "auto" fan-outs; None: adapted online
     fallback: str = "auto"  # on a cache miss: jit or random, chosen from measured rates (FallbackPolicy)
+    # random fillers past prompt lookup's copies: "none", "repeat" the pending token up to K, or "auto"
+    # (none on CPU, repeat on CUDA), see ssd/spec/ssd/fallback_policy.py
+    filler_padding: str = "auto"
     saguaro_c: float = 1.0
     draft_device: str | None = None
     draft_threads: int | None = None
@@ -87,6 +90,8 @@ class SpeculativeConfig:
         _ = self.lookup  # validates prompt_lookup_min / prompt_lookup_max
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
+        if self.filler_padding not in FILLER_PADDINGS:
+            raise ValueError(f"filler_padding must be one of {FILLER_PADDINGS}, got {self.filler_padding!r}")
         if not (0.0 < float(self.saguaro_c) <= 1.0):
             raise ValueError(f"saguaro_c must be in (0, 1], got {self.saguaro_c!r}")
         if self.draft_timeout_s <= 0:

@@ -108,6 +108,7 @@ GREEDY_CONFIGS = {
     "K3-auto-jit-preempt": dict(num_speculative_tokens=3, fan_out="auto", fallback="jit", kv_blocks=12),
     "K5-auto-random-preempt": dict(num_speculative_tokens=5, fan_out="auto", fallback="random", kv_blocks=14),
     "K3-fanout2-jit-no-lookup": dict(num_speculative_tokens=3, fan_out=2, fallback="jit", prompt_lookup=False),
+    "K3-fanout2-random-no-lookup": dict(num_speculative_tokens=3, fan_out=2, fallback="random", prompt_lookup=False),
 }
 ALLOWED_FALLBACKS = {"jit": {"jit"}, "random": {"random"}, "auto": {"jit", "random"}}
 
@@ -150,6 +151,9 @@ def test_greedy_equals_autoregressive(models, name):
             assert 0 < s.num_accepted_copied_tokens < s.num_copied_tokens < s.num_draft_tokens
         else:
             assert s.num_copied_tokens == 0
+            if config["fallback"] == "random":  # nothing to copy: every miss verifies no draft at all
+                assert s.rounds_on_miss > 0 and s.accepted_on_miss == 0
+                assert s.num_draft_tokens <= K * s.rounds_on_hit
         per_request = sum(o.spec_stats.cache_hits for o in all_outputs)
         assert per_request == s.cache_hits
         pid = llm.engine.proposer.pid

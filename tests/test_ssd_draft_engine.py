@@ -46,10 +46,10 @@ def draft_path(checkpoint_factory):
     return checkpoint_factory()
 
 
-def make_engine(path, saguaro_c: float = 1.0) -> DraftEngine:
+def make_engine(path, saguaro_c: float = 1.0, pad_filler: bool = False) -> DraftEngine:
     runner = ModelRunner(str(path), "float32", "cpu", BLOCK, 256, None, 0.5, num_blocks=NUM_BLOCKS)
     kv = KVCacheManager(BlockPool(NUM_BLOCKS, BLOCK, True))
-    return DraftEngine(runner, kv, DraftDistribution(TARGET_VOCAB, USABLE), K, saguaro_c, seed=0)
+    return DraftEngine(runner, kv, DraftDistribution(TARGET_VOCAB, USABLE), K, saguaro_c, seed=0, pad_filler=pad_filler)
 
 
 class Reference:
@@ -124,6 +124,7 @@ class Track:
     text: list[int]  # committed tokens; the last one is pending
     params: SamplingParams
     spec: list[int] = field(default_factory=list)  # e_1..e_n returned last round
+    lookahead: int = K  # drafts the last round asked for: the length of every branch built after it
     fan_out: list[int] = field(default_factory=list)  # F_0..F_K of the latest build_cache
 
 
@@ -160,7 +161,8 @@ class Harness:
         for row, result in zip(rows, results):
             track = self.tracks[row.seq_id]
             assert result.hit == expected_hit[row.seq_id], f"seq {row.seq_id}"
-            assert len(result.tokens) == num_drafts
+            unpadded = result.fallback == "random" and not self.engine.pad_filler
+            assert len(result.tokens) == (0 if unpadded else num_drafts)
             if result.hit:
                 assert result.fallback is None
                 assert result.tokens == cached[row.seq_id].tokens[:num_drafts]
@@ -173,12 +175,16 @@ class Harness:
             else:
                 self._check_speculation(track, result.tokens, result.probs, track.fan_out if not result.hit else None)
             track.spec = list(result.tokens)
+            track.lookahead = num_drafts
             out[row.seq_id] = result
         return out
 
     def _check_filler(self, track: Track, result: SpeculationResult, n: int) -> None:
+        """Without prompt lookup nothing predicts a token for free: the filler is empty, or with padding the
+        pending token n times."""
         pending = track.text[-1]
-        assert result.tokens == [pending] * n
+        n = n if self.engine.pad_filler else 0
+        assert result.tokens == [pending] * n and result.copied == [False] * n
         if track.params.is_greedy:
             assert result.probs is None
         else:
@@ -212,7 +218,7 @@ class Harness:
             assert set(cache) == self.expected_keys(track), f"seq {seq_id}"
             for (k, c), entry in cache.items():
                 prefix = track.text + track.spec[:k] + [c]
-                self._check_branch(track, prefix, entry, len(track.spec))
+                self._check_branch(track, prefix, entry, track.lookahead)
 
     def expected_keys(self, track: Track) -> set[tuple[int, int]]:
         """C_k: the F_k likeliest draft tokens after e_1..e_k, without the draft e_{k+1} for k < n."""
@@ -307,9 +313,11 @@ def _scripted_rounds(h: Harness, seq_ids: list[int]) -> None:
     assert all(results[s].hit for s in seq_ids)
 
 
-def test_greedy_rounds_equal_plain_decoding_of_each_branch(draft_path):
-    """Every cached branch and every speculation (hit, jit) is the plain greedy decoding of its text."""
-    h = Harness(make_engine(draft_path))
+@pytest.mark.parametrize("pad_filler", [False, True])
+def test_greedy_rounds_equal_plain_decoding_of_each_branch(draft_path, pad_filler):
+    """Every cached branch and every speculation (hit, jit) is the plain greedy decoding of its text; random
+    fillers are empty or padded, and the tree after either drafts K tokens per branch."""
+    h = Harness(make_engine(draft_path, pad_filler=pad_filler))
     tracks = [Track(10 + i, p, GREEDY) for i, p in enumerate(_prompts())]
     h.prefill(tracks)
     _scripted_rounds(h, [t.seq_id for t in tracks])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ssd.spec.ssd.fallback_policy import FallbackPolicy
+from ssd.spec.ssd.fallback_policy import FallbackPolicy, resolve_filler_padding
 
 E, X = FallbackPolicy.EXPLORE_ROUNDS, FallbackPolicy.EXPLOIT_ROUNDS
 CYCLES = FallbackPolicy.MIN_MEASURED_ROUNDS // E  # exploration cycles before the first exploit window
@@ -86,3 +86,26 @@ def test_ties_go_to_random_and_unobserved_rounds_are_ignored():
     fixed.observe_round(1, 5, 1.0)  # no-op for a fixed policy
     assert fixed.rates(1) == {}
     FallbackPolicy("auto").observe_round(3, 5, 1.0)  # a round never chosen for: ignored
+
+
+def test_filler_padding_resolves_by_the_targets_device():
+    """Repeats pad random fillers where verifying a few more positions is nearly free (CUDA), not on CPU."""
+    assert resolve_filler_padding("auto", "cpu") is False
+    assert resolve_filler_padding("auto", "cuda:1") is True
+    assert resolve_filler_padding("repeat", "cpu") is True
+    assert resolve_filler_padding("none", "cuda") is False
+    with pytest.raises(ValueError, match="filler_padding must be one of"):
+        resolve_filler_padding("zeros", "cpu")
+
+
+def test_filler_padding_flag_reaches_the_speculative_config():
+    import argparse
+
+    from ssd.cli.common import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    spec = engine_kwargs(parser.parse_args(["--model", "t", "--draft", "d", "--filler-padding", "repeat"]))
+    assert spec["speculative_config"]["filler_padding"] == "repeat"
+    default = engine_kwargs(parser.parse_args(["--model", "t", "--draft", "d"]))
+    assert default["speculative_config"]["filler_padding"] == "auto"

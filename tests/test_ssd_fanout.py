@@ -12,6 +12,7 @@ from ssd.spec.ssd.fanout import (
     FanOutPolicy,
     acceptance_length_probs,
     expected_tokens_per_round,
+    fold_fan_out,
     geometric_fan_out,
     largest_remainder,
     max_fan_out_budget,
@@ -109,6 +110,16 @@ def test_geometric_fan_out_rejects_bad_inputs(kwargs, match):
 
 # ------------------------------------------------------------------------------------------------
 # parsing and policies
+
+
+def test_fold_fan_out_moves_impossible_lengths_to_the_bonus_position():
+    assert fold_fan_out([4, 2, 1, 1, 0], 0) == [8, 0, 0, 0, 0]
+    assert fold_fan_out([4, 2, 1, 1, 3], 2) == [4, 2, 5, 0, 0]
+    assert fold_fan_out([4, 2, 1, 1, 3], 3) == [4, 2, 1, 4, 0]
+    assert fold_fan_out([4, 2, 1, 1, 3], 4) == [4, 2, 1, 1, 3]  # a full speculation keeps its plan
+    assert fold_fan_out((1, 2), 7) == [1, 2]
+    with pytest.raises(ValueError, match="num_drafts"):
+        fold_fan_out([1, 1], -1)
 
 
 def test_parse_uniform_list_and_strings():

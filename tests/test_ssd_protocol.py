@@ -115,6 +115,7 @@ def test_speculation_round_trip_with_some_prob_rows():
     assert out.cache_branches == 37
     assert out.hit.tolist() == [True, False, False]
     assert out.fallback.tolist() == [FallbackKind.NONE, FallbackKind.JIT, FallbackKind.RANDOM]
+    assert out.num_drafts.tolist() == [4, 4, 4]  # none given: every row holds K drafts
     dense = out.dense_probs()
     assert dense.shape == (3, 4, 11) and dense.dtype == np.float32 and dense.flags.writeable
     assert np.array_equal(dense[2], msg.probs[0])
@@ -133,6 +134,20 @@ def test_speculation_without_prob_rows_needs_vocab_size():
     # an empty probs array of any [0, ?, V] shape is accepted and normalised to K
     loose = SpeculationMsg(7, np.zeros((2, 3), np.int64), [False, False], [1, 2], [], np.zeros((0, 0, 0)))
     assert loose.probs.shape == (0, 3, 0)
+
+
+def test_speculation_rows_may_hold_fewer_drafts():
+    """A random filler can be shorter than K (only what prompt lookup copies): per-row counts travel."""
+    msg = _speculation()
+    msg.num_drafts = np.array([4, 1, 0], np.int32)
+    out = decode_message(msg.pack())
+    assert out.num_drafts.dtype == np.int32 and out.num_drafts.tolist() == [4, 1, 0]
+    for counts, match in (([5, 0, 0], r"num_drafts must lie in \[0, K=4\]"), ([-1, 0, 0], "must lie in"),
+                          ([1, 1], "rows, expected 3")):
+        bad = _speculation()
+        bad.num_drafts = np.array(counts, np.int32)
+        with pytest.raises(ProtocolError, match=match):
+            decode_message(bad.pack())
 
 
 def test_speculation_all_rows_and_scatter_helper():

@@ -74,8 +74,8 @@ class Example:
 
 
 def load_examples(data: Path) -> tuple[list[Example], list[Example], list[Example]]:
-    """(train gen, validation, train stdlib). Validation: the greedy continuations of every 8th prompt and
-    every 16th stdlib chunk; sampled continuations of those prompts are not used at all."""
+    """(train gen, validation, train chunks). Validation: the greedy continuations of every 8th prompt and
+    every 16th stdlib and docs chunk; sampled continuations of those prompts are not used at all."""
     gen_train, gen_val, lib = [], [], []
     greedy = [(start + j, r) for f, start in continuation_files(data) for j, r in enumerate(torch.load(f))]
     sampled = [(start + j, r) for f, start in sampled_files(data) for j, r in enumerate(torch.load(f))]
@@ -90,12 +90,12 @@ def load_examples(data: Path) -> tuple[list[Example], list[Example], list[Exampl
                 gen_train.append(ex)
             elif kind == "greedy":
                 gen_val.append(ex)
-    f = data / "stdlib.pt"
-    if f.exists():
-        for i, r in enumerate(torch.load(f)):
-            t = len(r["ids"])
-            ex = Example(r["ids"], 0, r["top_ids"][: t - 1], r["top_lp"][: t - 1])
-            (gen_val if i % 16 == 0 else lib).append(ex)
+    for f in (data / "stdlib.pt", data / "docs.pt"):
+        if f.exists():
+            for i, r in enumerate(torch.load(f)):
+                t = len(r["ids"])
+                ex = Example(r["ids"], 0, r["top_ids"][: t - 1], r["top_lp"][: t - 1])
+                (gen_val if i % 16 == 0 else lib).append(ex)
     return gen_train, gen_val, lib
 
 

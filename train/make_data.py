@@ -8,9 +8,11 @@ Stages (run in order; each writes one file under --out, default train/data/):
                top-20 logprobs at every generated position as soft labels.
 * ``stdlib`` — chunks of the Python standard library sources on this machine, with the target's top-20
                logprobs at every position from one fp32 forward pass (teaches the draft code in general).
-* ``vocab``  — token frequencies over both sets; the reduced draft vocabulary is the most frequent ids.
+* ``docs``   — chunks of the Python documentation's reStructuredText sources (Debian's python3.11-doc),
+               labelled the same way (English technical prose beyond the template prompts).
+* ``vocab``  — token frequencies over all sets; the reduced draft vocabulary is the most frequent ids.
 
-Usage: python train/make_data.py gen|stdlib|vocab [--out DIR] [options]
+Usage: python train/make_data.py gen|hfgen|stdlib|docs|vocab [--out DIR] [options]
 """
 
 from __future__ import annotations
@@ -143,15 +145,36 @@ def stdlib_files(seed: int) -> list[Path]:
     return files
 
 
+def doc_files(source: Path, seed: int) -> list[Path]:
+    """The reStructuredText sources of a Sphinx HTML build (``_sources/**/*.rst.txt``), shuffled."""
+    files = sorted(source.rglob("*.txt"))
+    if not files:
+        raise SystemExit(f"no .txt files under {source}; see train/README.md for getting python3.11-doc")
+    random.Random(seed).shuffle(files)
+    return files
+
+
 def stage_stdlib(out: Path, num_chunks: int, chunk_len: int, seed: int, budget_s: float) -> None:
     """Standard-library code chunks with the target's top-k logprobs (fp32 teacher forward)."""
+    label_chunks(out / "stdlib.pt", stdlib_files(seed), num_chunks, chunk_len, seed, budget_s)
+
+
+def stage_docs(out: Path, source: Path, num_chunks: int, chunk_len: int, seed: int, budget_s: float) -> None:
+    """Chunks of English technical prose (the Python documentation's sources) with the target's top-k
+    logprobs: general language the template prompts do not cover, labelled far faster than generating."""
+    label_chunks(out / "docs.pt", doc_files(source, seed), num_chunks, chunk_len, seed, budget_s)
+
+
+def label_chunks(dest: Path, files: list[Path], num_chunks: int, chunk_len: int, seed: int, budget_s: float) -> None:
+    """Up to two random ``chunk_len``-token chunks per file (so the set spans many files), labelled with the
+    target's top-k logprobs at every position by an fp32 forward pass; saved to ``dest``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = target_path()
     tok = AutoTokenizer.from_pretrained(path)
     chunks: list[list[int]] = []
     rng = random.Random(seed)
-    for f in stdlib_files(seed):
+    for f in files:
         if len(chunks) >= num_chunks:
             break
         try:
@@ -161,12 +184,11 @@ def stage_stdlib(out: Path, num_chunks: int, chunk_len: int, seed: int, budget_s
         ids = tok.encode(text)
         if len(ids) < chunk_len:
             continue
-        # At most two chunks per file so that the set spans many modules.
         for _ in range(2):
             s = rng.randrange(0, len(ids) - chunk_len + 1)
             chunks.append(ids[s : s + chunk_len])
     chunks = chunks[:num_chunks]
-    logger.info("%d stdlib chunks of %d tokens", len(chunks), chunk_len)
+    logger.info("%d chunks of %d tokens for %s", len(chunks), chunk_len, dest.name)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     records = []
     t0 = time.time()
@@ -183,13 +205,13 @@ def stage_stdlib(out: Path, num_chunks: int, chunk_len: int, seed: int, budget_s
             if time.time() - t0 > budget_s:
                 logger.info("time budget reached")
                 break
-    torch.save(records, out / "stdlib.pt")
+    torch.save(records, dest)
 
 
 def stage_vocab(out: Path) -> None:
     """Token counts over all training data, teacher top-1 weighted most (it is what the draft must say)."""
     counts = torch.zeros(49152, dtype=torch.float64)
-    for f in [*(f for f, _ in continuation_files(out)), out / "stdlib.pt"]:
+    for f in [*(f for f, _ in continuation_files(out)), out / "stdlib.pt", out / "docs.pt"]:
         if not f.exists():
             continue
         for r in torch.load(f):
@@ -204,11 +226,13 @@ def stage_vocab(out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["gen", "hfgen", "stdlib", "vocab"])
+    ap.add_argument("stage", choices=["gen", "hfgen", "stdlib", "docs", "vocab"])
     ap.add_argument("--start", type=int, default=0, help="hfgen: first shuffled prompt to cover")
     ap.add_argument("--end", type=int, default=None, help="hfgen: stop before this shuffled prompt (default: all)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="hfgen: sample continuations at this temperature (0: greedy)")
+    ap.add_argument("--source", default="/usr/share/doc/python3.11/html/_sources",
+                    help="docs: folder of .txt documentation sources (Debian's python3.11-doc)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "data"))
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--batch", type=int, default=32)
@@ -230,6 +254,8 @@ def main() -> None:
         stage_hfgen(out, args.max_tokens, args.batch, args.budget_s, args.seed, args.start, args.temperature, args.end)
     elif args.stage == "stdlib":
         stage_stdlib(out, args.num_chunks, args.chunk_len, args.seed, args.budget_s)
+    elif args.stage == "docs":
+        stage_docs(out, Path(args.source), args.num_chunks, args.chunk_len, args.seed, args.budget_s)
     else:
         stage_vocab(out)
 

@@ -52,6 +52,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--fan-out-budget", type=int, default=None,
                    help="branches per sequence of 'auto' fan-outs (default: adapted so the draft keeps up)")
     s.add_argument("--fallback", default="auto", choices=["jit", "random", "auto"])
+    s.add_argument("--filler-padding", default="auto", choices=["none", "repeat", "auto"],
+                   help="random fillers past prompt lookup's copies (default auto: none on CPU, repeat on CUDA)")
     s.add_argument("--saguaro-c", type=float, default=1.0)
     s.add_argument("--draft-device", default=None)
     s.add_argument("--draft-threads", type=int, default=None)
@@ -96,6 +98,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 fan_out_miss=args.fan_out_miss,
                 fan_out_budget=args.fan_out_budget,
                 fallback=args.fallback,
+                filler_padding=args.filler_padding,
                 saguaro_c=args.saguaro_c,
                 draft_device=args.draft_device,
                 draft_threads=args.draft_threads,

@@ -125,6 +125,11 @@ class SSDProposer:
         if isinstance(reply, wire.ErrorMsg) or getattr(reply, "round_id", round_id) != round_id:
             self._fail(reply.message if isinstance(reply, wire.ErrorMsg) else "draft worker answered out of order")
             return self._empty(requests)
+        if reply.batch_size != len(requests) or any(
+            n > r.num_drafts for n, r in zip(reply.num_drafts.tolist(), requests)
+        ):
+            self._fail("draft worker answered with more rows or drafts than requested")
+            return self._empty(requests)
         proposal = self._to_proposal(reply, requests)
         self._account(proposal, reply)
         return proposal
@@ -140,7 +145,7 @@ class SSDProposer:
         hits = reply.hit.tolist()
         fallbacks = [None if hit else wire.FallbackKind(kind).name.lower() for hit, kind in zip(hits, reply.fallback)]
         copied = torch.from_numpy(reply.copied)  # [B, K]
-        return Proposal(tokens, probs, [r.num_drafts for r in requests], hits, fallbacks, copied)
+        return Proposal(tokens, probs, reply.num_drafts.tolist(), hits, fallbacks, copied)
 
     def _account(self, proposal: Proposal, reply) -> None:
         self.draft_build_time_s += reply.cache_build_s

@@ -11,12 +11,15 @@ After returning the speculation [t_n, e_1..e_K] for a round, :meth:`DraftEngine.
 3. *tree decode*: for every branch (k, c) decodes K tokens continuing t_1..t_n, e_1..e_k, c. All branches of
    all sequences advance together, one batched forward per depth, with a tree mask. Branch K/V lives in
    scratch slots after the glue region of the block table (depth-major: depth j, branch b at
-   ``n + K + j * M + b``), and RoPE uses the logical positions;
+   ``n + L + j * M + b`` for a speculation of L <= K drafts), and RoPE uses the logical positions;
 4. stores (k, c) -> (K tokens, the distributions they were drawn from).
 
 When the outcome (k, t*) of verifying that speculation arrives, (k, t*) is looked up; a miss is served by the
 fallback: ``jit`` drafts K tokens sequentially now, ``random`` returns a filler with an explicit one-hot q
-(exact, nearly free: prompt lookup's copies while it finds matches, then the pending token repeated).
+(exact, nearly free): the tokens prompt lookup copies while it finds matches, then, with ``pad_filler``, the
+pending token repeated up to K. Unpadded fillers are usually shorter than K, often empty (on CPU every
+verified position costs the target time, and a repeat is rarely accepted); the tree still drafts K tokens
+per branch, since the next round asks for K again.
 
 With prompt lookup (``ssd/spec/lookup.py``) every draft step, in the tree and in ``jit``, proposes the token it
 copies from the context instead of the model's whenever it has one, with a one-hot q; the bonus fork (k = K)
@@ -63,6 +66,7 @@ class DraftEngine:
         saguaro_c: float = 1.0,
         seed: int = 0,
         lookup: LookupConfig | None = None,
+        pad_filler: bool = False,
     ) -> None:
         self.runner = runner
         self.kv = kv_manager
@@ -71,6 +75,7 @@ class DraftEngine:
         self.saguaro_c = saguaro_c
         self.seed = seed
         self.lookup = lookup or LookupConfig(enabled=False)
+        self.pad_filler = pad_filler
         self.states: dict[int, DraftSeqState] = {}
         self.last_build = BuildStats()
         self._jit_states: list[DraftSeqState] = []
@@ -128,6 +133,7 @@ class DraftEngine:
         for row, result in zip(rows, results):
             state = self.states[row.seq_id]
             state.speculation = [state.mirror.last_token_id] + result.tokens
+            state.lookahead = row.num_drafts
             state.cache = {}
             if result.fallback == RANDOM:
                 state.num_valid_drafts = 0
@@ -174,20 +180,24 @@ class DraftEngine:
         return out
 
     def _filler(self, state: DraftSeqState, num_drafts: int) -> SpeculationResult:
-        """Tokens with a one-hot q and no model call: what prompt lookup copies from the context as long as it
-        finds a match, then the pending token repeated (exact, usually rejected at once)."""
+        """Up to ``num_drafts`` tokens with a one-hot q and no model call: what prompt lookup copies from the
+        context as long as it finds a match (possibly nothing), then the pending token repeated up to
+        ``num_drafts`` if ``pad_filler``."""
         tokens: list[int] = []
         while len(tokens) < num_drafts:
             token = state.copy(tokens)
             if token is None:
                 break
             tokens.append(token)
-        copied = [True] * len(tokens) + [False] * (num_drafts - len(tokens))
-        tokens += [state.mirror.last_token_id] * (num_drafts - len(tokens))
+        copied = [True] * len(tokens)
+        if self.pad_filler:
+            copied += [False] * (num_drafts - len(tokens))
+            tokens += [state.mirror.last_token_id] * (num_drafts - len(tokens))
+        n = len(tokens)
         probs = None
         if not state.greedy:
-            probs = torch.zeros(num_drafts, self.dist.target_vocab_size, device=self.runner.device)  # [K, V]
-            probs[torch.arange(num_drafts), torch.tensor(tokens)] = 1.0
+            probs = torch.zeros(n, self.dist.target_vocab_size, device=self.runner.device)  # [n, V]
+            probs[torch.arange(n), torch.tensor(tokens, dtype=torch.long)] = 1.0
         return SpeculationResult(tokens, probs, False, RANDOM, copied)
 
     # ------------------------------------------------------------------ cache building
@@ -198,7 +208,7 @@ class DraftEngine:
         states = []
         for seq_id, fan_out in fan_outs.items():
             state = self.states.get(seq_id)
-            if state is not None and len(state.speculation) > 1:
+            if state is not None and state.lookahead > 0:
                 state.fan_out = list(fan_out)
                 states.append(state)
         if not states:
@@ -218,7 +228,7 @@ class DraftEngine:
             drafts = state.speculation[1:]
             k = len(drafts)
             m = sum(state.fan_out[: k + 1])
-            self._allocate(mirror, mirror.num_uncomputed_tokens + k + k * m)
+            self._allocate(mirror, mirror.num_uncomputed_tokens + k + state.lookahead * m)
             # t_n always runs again: after a jit round its K/V is already valid, but the fork at k = 0 needs
             # the distribution after it (K+1 logits from K tokens would read another row).
             start = min(mirror.num_computed_tokens, mirror.num_tokens - 1)
@@ -253,7 +263,8 @@ class DraftEngine:
         return branches
 
     def _tree_decode(self, states: list[DraftSeqState], branches: list[list[tuple[int, int]]]) -> None:
-        K = [len(s.speculation) - 1 for s in states]
+        K = [s.lookahead for s in states]  # tokens per branch
+        L = [len(s.speculation) - 1 for s in states]  # drafts in the glue
         depth = max(K)
         current = [[c for _, c in b] for b in branches]  # tokens to run at this depth, per branch
         sampled: list[list[list[int]]] = [[[] for _ in b] for b in branches]
@@ -264,7 +275,7 @@ class DraftEngine:
             for i, (state, branch) in enumerate(zip(states, branches)):
                 if j >= K[i] or not branch:
                     continue
-                items.append(self._tree_item(state, branch, current[i], j, K[i]))
+                items.append(self._tree_item(state, branch, current[i], j, L[i]))
                 owners.append(i)
             if not items:
                 break
@@ -300,7 +311,7 @@ class DraftEngine:
         mirror = state.mirror
         n = mirror.num_tokens  # committed tokens; t_n sits at position n - 1
         m = len(branch)
-        glue_end = n + k_max  # natural slots 0 .. n+K-1 hold t_1..t_n, e_1..e_K
+        glue_end = n + k_max  # natural slots 0 .. n+L-1 hold t_1..t_n, e_1..e_L
         ks = np.array([k for k, _ in branch])
         positions = n + ks + j
         scratch = np.arange((j + 1) * m)

@@ -21,7 +21,8 @@ class CachedSpeculation:
 class DraftSeqState:
     mirror: Sequence  # committed tokens; num_computed_tokens = tokens whose draft K/V is valid
     generator: torch.Generator
-    speculation: list[int] = field(default_factory=list)  # last returned [t_n, e_1..e_K]
+    speculation: list[int] = field(default_factory=list)  # last returned [t_n, e_1..e_n] (n <= K_i)
+    lookahead: int = 0  # K_i of the last request: tokens each tree branch drafts for the next round
     num_valid_drafts: int = 0  # leading e_j whose K/V sits in natural slots (glue: all K, jit: K-1)
     fan_out: list[int] = field(default_factory=list)  # F_0..F_K of the next cache build (Saguaro scales these)
     cache: dict[tuple[int, int], CachedSpeculation] = field(default_factory=dict)

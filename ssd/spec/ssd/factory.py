@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ssd.executor.model_runner import GraphOptions
 from ssd.spec.factory import check_draft_vocabulary, draft_num_blocks
 from ssd.spec.ssd.client import SSDProposer
+from ssd.spec.ssd.fallback_policy import resolve_filler_padding
 from ssd.spec.ssd.fanout import max_fan_out_budget
 from ssd.spec.ssd.worker import WorkerConfig
 
@@ -43,6 +44,7 @@ def build_ssd_proposer(engine: "LLMEngine") -> SSDProposer:
         fan_out_budget=spec.fan_out_budget,
         saguaro_c=spec.saguaro_c,
         lookup=spec.lookup,
+        pad_filler=resolve_filler_padding(spec.filler_padding, cfg.device),
         seed=cfg.seed,
         num_threads=spec.draft_threads,
         cpu_affinity=draft_cpus,

@@ -25,6 +25,20 @@ from typing import Literal
 
 JIT, RANDOM, AUTO = "jit", "random", "auto"
 FALLBACKS = (JIT, RANDOM, AUTO)
+# What a random filler holds past prompt lookup's copies: nothing, or the pending token repeated up to K
+# (accepted now and then: repeated indentation, blank lines). "auto": nothing on CPU, where every verified
+# position costs the target time, repeats on CUDA, where a few more positions are nearly free.
+NONE_PADDING, REPEAT_PADDING = "none", "repeat"
+FILLER_PADDINGS = (NONE_PADDING, REPEAT_PADDING, AUTO)
+
+
+def resolve_filler_padding(padding: str, target_device: str) -> bool:
+    """Whether random fillers repeat the pending token up to K drafts, for a target on `target_device`."""
+    if padding not in FILLER_PADDINGS:
+        raise ValueError(f"filler_padding must be one of {FILLER_PADDINGS}, got {padding!r}")
+    if padding == AUTO:
+        return str(target_device).startswith("cuda")
+    return padding == REPEAT_PADDING
 Kind = Literal["jit", "random"]
 
 

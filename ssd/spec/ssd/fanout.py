@@ -132,6 +132,19 @@ def geometric_fan_out(a: float, r: float, K: int, budget: int) -> list[int]:
     return largest_remainder(weights, budget)
 
 
+def fold_fan_out(fan_out: Sequence[int], num_drafts: int) -> list[int]:
+    """F_0..F_K for a speculation of only `num_drafts` < K drafts (a fallback filler): acceptance lengths past
+    `num_drafts` cannot occur, so their candidates go to k = `num_drafts` (all drafts accepted, where the
+    bonus token is drawn). The length and the budget stay the same; longer speculations keep `fan_out`."""
+    if not is_int(num_drafts) or num_drafts < 0:
+        raise ValueError(f"num_drafts must be an integer >= 0, got {num_drafts!r}")
+    values = list(fan_out)
+    if num_drafts >= len(values) - 1:
+        return values
+    tail = len(values) - num_drafts - 1
+    return values[:num_drafts] + [sum(values[num_drafts:])] + [0] * tail
+
+
 def expected_tokens_per_round(a: float, K: int) -> float:
     """E[k + 1] under the truncated geometric model: sum_{i=0..K} a^i (= K + 1 when a = 1)."""
     a = check_rate("acceptance rate a", a)

@@ -225,7 +225,7 @@ def scatter_prob_rows(
 
 @dataclass(eq=False)
 class SpeculationMsg(WireMessage):
-    """The worker's answer to SPECULATE: K drafts per row, whether they came from the cache, and q.
+    """The worker's answer to SPECULATE: up to K drafts per row, whether they came from the cache, and q.
 
     Probabilities travel only for the rows that need them (sampled rows; greedy rows are one-hot and the
     client rebuilds them), as `probs[s]` for row `prob_rows[s]`; `dense_probs` restores [B, K, V].
@@ -239,6 +239,7 @@ class SpeculationMsg(WireMessage):
         "prob_rows": (_I32, 1),
         "probs": (_F32, 3),
         "copied": (_BOOL, 2),
+        "num_drafts": (_I32, 1),
     }
     ZERO_COPY: ClassVar[frozenset[str]] = frozenset({"probs"})
 
@@ -249,6 +250,9 @@ class SpeculationMsg(WireMessage):
     prob_rows: np.ndarray  # [S] int32, distinct rows in [0, B)
     probs: np.ndarray  # [S, K, V] float32
     copied: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.bool_))  # [B, K]: prompt lookup's
+    # [B] drafts per row (<= K; a random filler may hold fewer), the row's tokens are draft_tokens[i, :n];
+    # empty = K for every row
+    num_drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     cache_build_s: float = 0.0  # how long the worker's last cache build took
     cache_branches: int = 0  # tree branches of that build, all sequences together
     serve_s: float = 0.0  # time the worker spent serving this request
@@ -265,6 +269,11 @@ class SpeculationMsg(WireMessage):
             self.copied = np.zeros((B, K), np.bool_)  # none given: no draft was copied
         if self.copied.shape != (B, K):
             raise ProtocolError(f"{owner}.copied must have the shape of draft_tokens {(B, K)}, got {self.copied.shape}")
+        if self.num_drafts.size == 0:
+            self.num_drafts = np.full(B, K, np.int32)
+        check_rows(owner, B, self, ("num_drafts",))
+        if B and (self.num_drafts.min() < 0 or self.num_drafts.max() > K):
+            raise ProtocolError(f"{owner}.num_drafts must lie in [0, K={K}], got {self.num_drafts.tolist()}")
         if B and int(self.fallback.max()) > max(FallbackKind):
             raise ProtocolError(f"{owner}.fallback values must be FallbackKind values 0..{max(FallbackKind)}")
         if np.any(self.hit & (self.fallback != FallbackKind.NONE)):

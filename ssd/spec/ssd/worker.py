@@ -27,7 +27,7 @@ from ssd.spec.lookup import LookupConfig
 from ssd.spec.ssd import protocol as wire
 from ssd.spec.ssd.draft_engine import JIT, RANDOM, DraftEngine
 from ssd.spec.ssd.draft_state import BuildStats, SpeculateRow
-from ssd.spec.ssd.fanout import BudgetController, parse_fan_out
+from ssd.spec.ssd.fanout import BudgetController, fold_fan_out, parse_fan_out
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ class WorkerConfig:
     log_level: int = logging.WARNING
     graphs: GraphOptions | None = None  # CUDA graphs for glue and tree steps (None: eager)
     lookup: LookupConfig = field(default_factory=LookupConfig)  # prompt lookup in drafts and fillers
+    pad_filler: bool = False  # random fillers repeat the pending token up to K drafts (resolve_filler_padding)
     weight_format: str = DENSE  # resolved by EngineConfig: DENSE or FP16_PACKED (ssd/models/packed_fp16.py)
 
 
@@ -73,7 +74,8 @@ def build_draft_engine(config: WorkerConfig) -> DraftEngine:
     )
     kv = KVCacheManager(BlockPool(runner.num_blocks, config.block_size, config.enable_prefix_caching))
     dist = DraftDistribution.for_runner(runner, config.target_vocab_size, config.num_usable_tokens)
-    return DraftEngine(runner, kv, dist, config.num_speculative_tokens, config.saguaro_c, config.seed, config.lookup)
+    return DraftEngine(runner, kv, dist, config.num_speculative_tokens, config.saguaro_c, config.seed, config.lookup,
+                       config.pad_filler)
 
 
 class FanOutPlanner:
@@ -176,7 +178,7 @@ def _serve(conn, engine: DraftEngine, planner: FanOutPlanner, msg, last_plan) ->
             built_after_hit, num_drafts, plan = previous
             f = plan[row.num_accepted] if row.num_accepted < len(plan) else 0
             planner.observe(built_after_hit, row.num_accepted, num_drafts, result.hit, f)
-        fan_outs[row.seq_id] = planner.current(result.hit)
+        fan_outs[row.seq_id] = fold_fan_out(planner.current(result.hit), len(result.tokens))
         last_plan[row.seq_id] = (result.hit, len(result.tokens), fan_outs[row.seq_id])
     engine.build_cache(fan_outs)
 
@@ -203,6 +205,7 @@ def speculation_message(
         prob_rows=np.array(prob_rows, dtype=np.int32),
         probs=torch.stack(probs).numpy() if probs else np.zeros((0, K, vocab), dtype=np.float32),
         copied=copied,
+        num_drafts=np.array([len(r.tokens) for r in results], dtype=np.int32),
         cache_build_s=build.seconds,
         cache_branches=build.num_branches,
         serve_s=serve_s,
