@@ -27,6 +27,7 @@ from ssd.outputs import RequestMetrics, RequestOutput, SpecStats, TokenLogprob
 from ssd.placement import CpuPinning, plan_engine_layout, start_target_runner
 from ssd.sample.sampler import make_generator
 from ssd.sampling_params import SamplingParams
+from ssd.spec.lookahead import LookaheadPolicy
 from ssd.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,9 @@ class LLMEngine:
                 self.shutdown()
                 raise
         self.executor = StepExecutor(self.runner, self.proposer, self.default_generator)
+        adaptive = self.spec is not None and self.spec.adaptive_lookahead
+        self.lookahead_policy = LookaheadPolicy(self.spec.num_speculative_tokens) if adaptive else None
+        self._step_lookahead: int | None = None  # this step's K under the adaptive policy, chosen on first use
         self.requests: dict[int, Request] = {}
         self.stats = SpecStats()
         self._seq_ids = itertools.count()
@@ -201,6 +205,7 @@ class LLMEngine:
     # ---------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns outputs of the requests that produced tokens or finished."""
+        self._step_lookahead = None
         try:
             plan = self.scheduler.schedule(self._lookahead)
         except SequenceTooLongError as exc:  # can never fit: fail that request, keep serving the others
@@ -223,8 +228,18 @@ class LLMEngine:
                 banned_token_ids=self._banned_tokens(request),
                 speculate=self._speculates(request),
             )
+        started = time.perf_counter()
         result = self.executor.execute(plan.scheduled, contexts)
+        self._observe_step_time(plan.scheduled, result, time.perf_counter() - started)
         return self._update(plan.scheduled, result)
+
+    def _observe_step_time(self, scheduled, result: StepResult, seconds: float) -> None:
+        """Feed the adaptive lookahead with pure decode steps (one new token per sequence: no prefill chunk
+        in the batch), whose time depends only on the batch size and the drafts per sequence."""
+        if self.lookahead_policy is None or any(s.num_new_tokens != 1 for s in scheduled):
+            return
+        drafts = sum(r.num_drafts for r in result.rounds.values())
+        self.lookahead_policy.observe_step(len(scheduled), drafts / len(scheduled), seconds)
 
     def _lookahead(self, seq: Sequence) -> int:
         """Draft tokens a decoding sequence gets this round (0 = plain decoding)."""
@@ -233,7 +248,15 @@ class LLMEngine:
         # A round emits up to K + 1 tokens (the bonus takes the last place), under both length limits.
         remaining_len = self.max_model_len - seq.num_tokens - 1
         remaining_out = seq.sampling_params.max_tokens - seq.num_output_tokens - 1
-        return max(0, min(self.spec.num_speculative_tokens, remaining_len, remaining_out))
+        return max(0, min(self._lookahead_k(), remaining_len, remaining_out))
+
+    def _lookahead_k(self) -> int:
+        """K for this step: the configured one, or the adaptive policy's choice for the decoding batch."""
+        if self.lookahead_policy is None:
+            return self.spec.num_speculative_tokens
+        if self._step_lookahead is None:
+            self._step_lookahead = self.lookahead_policy.choose([s.seq_id for s in self.scheduler.running])
+        return self._step_lookahead
 
     def _speculates(self, request: Request) -> bool:
         # While EOS is banned (min_tokens) the processed distribution depends on the output position; plain
@@ -296,6 +319,8 @@ class LLMEngine:
     def _record_round(self, request: Request, round_, result: StepResult) -> None:
         hit, fallback = result.lookup(request.seq.seq_id)
         copied = result.copied(request.seq.seq_id)
+        if self.lookahead_policy is not None:
+            self.lookahead_policy.observe_round(request.seq.seq_id, round_.num_drafts, round_.num_accepted)
         for stats in (request.spec_stats, self.stats):
             stats.record_round(round_.num_drafts, round_.num_accepted, copied)
             if hit is not None:
@@ -344,6 +369,8 @@ class LLMEngine:
     def _release(self, request: Request) -> None:
         if self.proposer is not None:
             self.proposer.release(request.seq)
+        if self.lookahead_policy is not None:
+            self.lookahead_policy.forget(request.seq.seq_id)
 
     def _make_output(self, request: Request, new_text: str) -> RequestOutput:
         seq = request.seq

@@ -82,12 +82,13 @@ def models(checkpoint_factory, tmp_path_factory):
 
 
 def make_llm(model: str, draft: str | None = None, k: int = 3, prompt_lookup: bool = True,
-             draft_weight_format: str = "auto", **kwargs) -> LLM:
+             draft_weight_format: str = "auto", adaptive_lookahead: bool = False, **kwargs) -> LLM:
     options = dict(dtype="float32", kv_cache_memory="16MiB", max_model_len=MAX_LEN, block_size=BLOCK, seed=0)
     options.update(kwargs)
     if draft is not None:
         options["speculative_config"] = {"method": "draft_model", "model": draft, "num_speculative_tokens": k,
-                                         "prompt_lookup": prompt_lookup, "draft_weight_format": draft_weight_format}
+                                         "prompt_lookup": prompt_lookup, "draft_weight_format": draft_weight_format,
+                                         "adaptive_lookahead": adaptive_lookahead}
     return LLM(model, **options)
 
 
@@ -157,6 +158,22 @@ def test_greedy_sd_equals_ar(models, ar_greedy, draft, k):
         assert 0 < stats.num_accepted_copied_tokens <= stats.num_copied_tokens < stats.num_draft_tokens
     else:
         assert stats.acceptance_rate < 0.1
+    assert_all_released(llm)
+
+
+@pytest.mark.parametrize("draft", ["close", "random"])
+def test_greedy_sd_with_adaptive_lookahead_equals_ar(models, ar_greedy, draft):
+    """Each step's K comes from measured acceptance and step times (0 = plain decoding, exploration visits
+    every K): whatever it picks, the tokens equal AR, and the policy learned from rounds and steps."""
+    llm = make_llm(models("target"), models(draft), k=4, max_num_seqs=8, adaptive_lookahead=True)
+    policy = llm.engine.lookahead_policy
+    outputs = llm.generate(GREEDY_PROMPTS, GREEDY_PARAMS)
+    _check_greedy(outputs, ar_greedy, range(8))
+    assert_stats_consistent(llm, outputs)
+    assert any(policy.step_time(b, 0) is not None for b in range(1, 9))  # a cost line was measured
+    rates = policy.conditional_acceptance()
+    assert (rates[0] < 0.3) if draft == "random" else (rates[0] > 0.3)
+    assert policy._seq_counts == {}  # finished sequences were forgotten
     assert_all_released(llm)
 
 

@@ -41,6 +41,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--draft", default=None, help="draft checkpoint folder; enables speculation")
     s.add_argument("--method", default="ssd", choices=["ssd", "draft_model"], help="with --draft (default ssd)")
     s.add_argument("--k", type=int, default=4, help="draft tokens per round (lookahead K)")
+    s.add_argument("--adaptive-lookahead", action="store_true",
+                   help="draft_model: choose each round's K in 0..--k from measured acceptance and step times")
     s.add_argument("--draft-weight-format", default="auto", choices=list(WEIGHT_FORMATS),
                    help="the draft's weights (default auto: fp16-packed on CPU in float32)")
     s.add_argument("--no-prompt-lookup", action="store_true",
@@ -92,6 +94,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             prompt_lookup=not args.no_prompt_lookup, prompt_lookup_min=args.prompt_lookup_min,
             prompt_lookup_max=args.prompt_lookup_max, draft_weight_format=args.draft_weight_format,
         )
+        if args.adaptive_lookahead:
+            spec["adaptive_lookahead"] = True
         if args.method == "ssd":
             spec.update(
                 fan_out=args.fan_out,

@@ -1,0 +1,157 @@
+"""Adaptive lookahead for ordinary speculative decoding: how many draft tokens a round should propose.
+
+A round with K drafts emits E(K) = 1 + sum_{j=1..K} c_1 c_2 ... c_j tokens per sequence on average, where c_j
+is the probability that draft j is accepted given drafts 1..j-1 were (conditional rates, so runs of copied
+tokens, which are accepted together, are modelled as they occur rather than as independent trials). It costs
+one draft step per token plus the target's verification of K + 1 positions per sequence. On hardware where
+every verified position and every draft step costs time (a CPU), a weak draft loses to plain decoding at
+K = 4 while K = 1 or 2 still wins, and a strong one wants K as large as allowed; the best K depends on the
+text, the draft and the batch size. So the engine measures both sides and picks, each step, the K in
+0..K_max that maximises sum_i E_i(K) / t_B(K) over the B decoding sequences (tokens per second):
+
+- c_j: decayed counts over verified rounds (a round with n drafts and k accepted tried depths 1..min(k+1, n)
+  and passed depths 1..k), engine-wide from a prior, and per sequence with the engine-wide rates as their
+  prior (`SEQ_PRIOR_WEIGHT` pseudo-attempts per depth): code that copies its prompt and chat in one batch
+  keep their own rates;
+- t_B(K): the measured wall time of pure decode steps (no prefill in the batch) at batch size B, fitted as a
+  line in the mean number of drafts per sequence by decayed least squares. K = 0 is a plain decode step.
+
+While a batch size has no line yet (fewer than two distinct K measured), steps use K_max, the configured
+lookahead. Every `EXPLORE_EVERY`-th step at a batch size uses the next K of a round robin over 0..K_max
+instead of the best one, so the line stays measured at several points and every depth keeps being tested.
+Pure Python, no torch; unit tested with exact values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class _Line:
+    """Decayed least squares of t = alpha + beta x."""
+
+    n: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, x: float, y: float, decay: float) -> None:
+        self.n = decay * self.n + 1.0
+        self.sx = decay * self.sx + x
+        self.sy = decay * self.sy + y
+        self.sxx = decay * self.sxx + x * x
+        self.sxy = decay * self.sxy + x * y
+
+    def fit(self) -> tuple[float, float] | None:
+        """(alpha, beta), or None while x has (numerically) not varied."""
+        var = self.n * self.sxx - self.sx * self.sx
+        if var <= 1e-9 * max(1.0, self.n * self.sxx):
+            return None
+        beta = (self.n * self.sxy - self.sx * self.sy) / var
+        alpha = (self.sy - beta * self.sx) / self.n
+        return alpha, beta
+
+
+class LookaheadPolicy:
+    EXPLORE_EVERY = 8
+    SEQ_PRIOR_WEIGHT = 4.0
+
+    def __init__(
+        self,
+        max_k: int,
+        prior_acceptance: float = 0.6,
+        prior_weight: float = 2.0,
+        acceptance_decay: float = 0.99,
+        time_decay: float = 0.97,
+    ) -> None:
+        if not isinstance(max_k, int) or isinstance(max_k, bool) or max_k < 1:
+            raise ValueError(f"max_k must be an integer >= 1, got {max_k!r}")
+        for name, value in (("acceptance_decay", acceptance_decay), ("time_decay", time_decay)):
+            if not (0.0 < value <= 1.0):
+                raise ValueError(f"{name} must be in (0, 1], got {value!r}")
+        if not (0.0 <= prior_acceptance <= 1.0) or not (prior_weight > 0.0):
+            raise ValueError("prior_acceptance must be in [0, 1] and prior_weight > 0")
+        self.max_k = max_k
+        self.acceptance_decay = acceptance_decay
+        self.time_decay = time_decay
+        self._passed = [prior_acceptance * prior_weight] * max_k  # depth j+1: decayed accepted count
+        self._tried = [prior_weight] * max_k  # depth j+1: decayed attempts
+        self._seq_counts: dict[int, tuple[list[float], list[float]]] = {}  # seq_id -> (passed, tried), own rounds
+        self._lines: dict[int, _Line] = {}
+        self._steps: dict[int, int] = {}  # batch size -> steps chosen so far
+        self._explored: dict[int, int] = {}  # batch size -> exploration steps so far
+
+    # ------------------------------------------------------------------ estimates
+    def conditional_acceptance(self, seq_id: int | None = None) -> list[float]:
+        """c_1..c_Kmax, engine-wide or of one sequence (its own rounds on top of the engine-wide prior)."""
+        engine = [p / t for p, t in zip(self._passed, self._tried)]
+        own = self._seq_counts.get(seq_id) if seq_id is not None else None
+        if own is None:
+            return engine
+        w = self.SEQ_PRIOR_WEIGHT
+        return [(p + w * c) / (t + w) for p, t, c in zip(*own, engine)]
+
+    def expected_tokens(self, k: int, seq_id: int | None = None) -> float:
+        """E(k) = 1 + sum_{j<=k} prod_{i<=j} c_i."""
+        total, run = 1.0, 1.0
+        for c in self.conditional_acceptance(seq_id)[:k]:
+            run *= c
+            total += run
+        return total
+
+    def step_time(self, batch_size: int, k: int) -> float | None:
+        line = self._lines.get(batch_size)
+        fit = line.fit() if line is not None else None
+        return None if fit is None else fit[0] + fit[1] * k
+
+    def best(self, seq_ids: list[int]) -> int:
+        """The K maximising tokens per second for these decoding sequences (K_max while the cost line of
+        their batch size is unknown)."""
+        line = self._lines.get(len(seq_ids))
+        fit = line.fit() if line is not None else None
+        if fit is None:
+            return self.max_k
+        alpha, beta = fit
+        best_k, best_rate = self.max_k, -math.inf
+        for k in range(self.max_k + 1):
+            t = alpha + beta * k
+            rate = sum(self.expected_tokens(k, s) for s in seq_ids) / t if t > 0 else -math.inf
+            if rate > best_rate + 1e-12:
+                best_k, best_rate = k, rate
+        return best_k
+
+    # ------------------------------------------------------------------ choosing and learning
+    def choose(self, seq_ids: list[int]) -> int:
+        """The lookahead for the next step of these decoding sequences."""
+        batch_size = max(1, len(seq_ids))
+        step = self._steps.get(batch_size, 0) + 1
+        self._steps[batch_size] = step
+        if step % self.EXPLORE_EVERY == 0:
+            n = self._explored.get(batch_size, 0)
+            self._explored[batch_size] = n + 1
+            return n % (self.max_k + 1)
+        return self.best(list(seq_ids)) if seq_ids else self.max_k
+
+    def observe_round(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:
+        """A verified round of sequence `seq_id`: `num_accepted` of its `num_drafts` drafts were accepted."""
+        if not (0 <= num_accepted <= num_drafts <= self.max_k):
+            raise ValueError(f"need 0 <= num_accepted <= num_drafts <= {self.max_k}, got {num_accepted}, {num_drafts}")
+        d = self.acceptance_decay
+        own = self._seq_counts.setdefault(seq_id, ([0.0] * self.max_k, [0.0] * self.max_k))
+        for passed, tried in ((self._passed, self._tried), own):
+            for j in range(min(num_accepted + 1, num_drafts)):
+                tried[j] = d * tried[j] + 1.0
+                passed[j] = d * passed[j] + (1.0 if j < num_accepted else 0.0)
+
+    def forget(self, seq_id: int) -> None:
+        """The sequence finished (or was aborted): drop its own counts."""
+        self._seq_counts.pop(seq_id, None)
+
+    def observe_step(self, batch_size: int, mean_drafts: float, seconds: float) -> None:
+        """A pure decode step of `batch_size` sequences with `mean_drafts` drafts per sequence took `seconds`."""
+        if batch_size < 1 or mean_drafts < 0 or not (seconds >= 0.0):
+            raise ValueError(f"invalid step observation ({batch_size}, {mean_drafts}, {seconds})")
+        self._lines.setdefault(batch_size, _Line()).add(float(mean_drafts), float(seconds), self.time_decay)

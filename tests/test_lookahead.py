@@ -1,0 +1,112 @@
+"""Adaptive lookahead (ssd/spec/lookahead.py): exact estimates, the choice of K, exploration, validation."""
+
+import pytest
+
+from ssd.config import SpeculativeConfig
+from ssd.spec.lookahead import LookaheadPolicy, _Line
+
+
+def test_line_fit_is_exact_and_needs_two_x_values():
+    line = _Line()
+    line.add(4.0, 0.070, decay=1.0)
+    assert line.fit() is None  # one x value: no slope
+    line.add(4.0, 0.070, decay=1.0)
+    assert line.fit() is None
+    line.add(0.0, 0.030, decay=1.0)
+    alpha, beta = line.fit()
+    assert alpha == pytest.approx(0.030) and beta == pytest.approx(0.010)
+
+
+def test_conditional_acceptance_per_depth_exact():
+    policy = LookaheadPolicy(3, prior_acceptance=0.5, prior_weight=2.0, acceptance_decay=1.0)
+    assert policy.conditional_acceptance() == [0.5, 0.5, 0.5]
+    policy.observe_round(7, 3, 3)  # all three accepted: depths 1-3 tried and passed
+    policy.observe_round(7, 3, 1)  # depth 1 passed, depth 2 rejected, depth 3 never tried
+    policy.observe_round(7, 2, 0)  # depth 1 rejected
+    # depth 1: (1 + 2 passed) / (2 + 3 tried); depth 2: (1 + 1) / (2 + 2); depth 3: (1 + 1) / (2 + 1)
+    assert policy.conditional_acceptance() == pytest.approx([3 / 5, 2 / 4, 2 / 3])
+    assert policy.expected_tokens(0) == 1.0
+    assert policy.expected_tokens(2) == pytest.approx(1 + 0.6 + 0.6 * 0.5)
+    assert policy.expected_tokens(3) == pytest.approx(1 + 0.6 + 0.3 + 0.3 * 2 / 3)
+
+
+def test_sequences_keep_their_own_rates_on_the_engine_prior():
+    policy = LookaheadPolicy(2, prior_acceptance=0.5, prior_weight=2.0, acceptance_decay=1.0)
+    for _ in range(4):
+        policy.observe_round(1, 2, 2)
+        policy.observe_round(2, 2, 0)
+    engine = policy.conditional_acceptance()
+    assert engine == pytest.approx([(1 + 4) / (2 + 8), (1 + 4) / (2 + 4)])
+    w = LookaheadPolicy.SEQ_PRIOR_WEIGHT
+    assert policy.conditional_acceptance(1) == pytest.approx([(4 + w * engine[0]) / (4 + w), (4 + w * engine[1]) / (4 + w)])
+    assert policy.conditional_acceptance(2) == pytest.approx([(0 + w * engine[0]) / (4 + w), engine[1]])
+    policy.forget(1)
+    assert policy.conditional_acceptance(1) == engine  # an unknown sequence gets the engine-wide rates
+
+
+def _policy_with_line(acceptance: float, alpha: float = 0.030, beta: float = 0.010) -> LookaheadPolicy:
+    policy = LookaheadPolicy(4, prior_acceptance=acceptance, prior_weight=1.0)
+    policy.observe_step(1, 4.0, alpha + 4 * beta)
+    policy.observe_step(1, 0.0, alpha)
+    return policy
+
+
+def test_best_k_maximises_tokens_per_second():
+    # c = 0.9 at every depth: E(K)/t(K) grows with K up to K_max = 4 at these costs
+    assert _policy_with_line(0.9).best([0]) == 4
+    # a draft that is never right: speculation only costs, plain decoding wins
+    assert _policy_with_line(0.0).best([0]) == 0
+    # c = 0.4: E = 1, 1.4, 1.56, 1.624, 1.65 over t = 30, 40, 50, 60, 70 ms: K = 1 (0.0350 vs 0.0333 at K = 0)
+    assert _policy_with_line(0.4).best([0]) == 1
+    # a batch sums the sequences' expected tokens; the line of another batch size is unknown: K_max
+    assert _policy_with_line(0.4).best([0, 1]) == 4
+
+
+def test_choose_starts_at_k_max_and_explores_round_robin():
+    policy = LookaheadPolicy(3, prior_acceptance=0.0)  # once the line is known, the best K is 0
+    every = LookaheadPolicy.EXPLORE_EVERY
+    chosen = []
+    for _ in range(4 * every):
+        k = policy.choose([5])
+        chosen.append(k)
+        policy.observe_step(1, float(k), 0.030 + 0.010 * k)
+    explore = chosen[every - 1 :: every]
+    assert explore == [0, 1, 2, 3]  # every EXPLORE_EVERY-th step, the next K of 0..K_max
+    assert chosen[: every - 1] == [3] * (every - 1)  # no line yet: the configured K
+    assert all(k == 0 for i, k in enumerate(chosen[every:]) if (i + every + 1) % every)  # then the best
+    assert policy.choose([]) == 3  # nothing decoding: nothing to choose
+
+
+def test_validation():
+    with pytest.raises(ValueError, match="max_k"):
+        LookaheadPolicy(0)
+    with pytest.raises(ValueError, match="time_decay"):
+        LookaheadPolicy(2, time_decay=0.0)
+    policy = LookaheadPolicy(2)
+    with pytest.raises(ValueError, match="num_accepted <= num_drafts"):
+        policy.observe_round(0, 1, 2)
+    with pytest.raises(ValueError, match="num_drafts <= 2"):
+        policy.observe_round(0, 3, 0)
+    with pytest.raises(ValueError, match="invalid step"):
+        policy.observe_step(0, 1.0, 0.1)
+
+
+def test_config_accepts_adaptive_lookahead_for_draft_model_only():
+    assert SpeculativeConfig(model="d", adaptive_lookahead=True).adaptive_lookahead
+    with pytest.raises(ValueError, match="applies to method='draft_model'"):
+        SpeculativeConfig(method="ssd", model="d", adaptive_lookahead=True)
+    with pytest.raises(ValueError, match="must be True or False"):
+        SpeculativeConfig(model="d", adaptive_lookahead="yes")
+
+
+def test_command_line_flag():
+    import argparse
+
+    from ssd.cli.common import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--model", "t", "--draft", "d", "--method", "draft_model", "--adaptive-lookahead"])
+    assert engine_kwargs(args)["speculative_config"]["adaptive_lookahead"] is True
+    plain = engine_kwargs(parser.parse_args(["--model", "t", "--draft", "d"]))["speculative_config"]
+    assert "adaptive_lookahead" not in plain
