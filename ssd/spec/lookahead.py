@@ -56,6 +56,8 @@ class _Line:
 
 
 class LookaheadPolicy:
+    """Per-depth acceptance counts and per-batch-size step-time lines; `choose` gives each step's K."""
+
     EXPLORE_EVERY = 8
     SEQ_PRIOR_WEIGHT = 4.0
 
