@@ -15,7 +15,7 @@ import torch
 
 from ssd.config import EngineConfig
 from ssd.distributed.launcher import TensorParallelRanks
-from ssd.distributed.layout import ProcessLayout, plan_layout
+from ssd.distributed.layout import ProcessLayout, ProcessPinning, plan_layout
 from ssd.distributed.worker import RunnerArgs, build_runner
 from ssd.executor.model_runner import GraphOptions, ModelRunner
 
@@ -35,23 +35,31 @@ def plan_engine_layout(config: EngineConfig) -> ProcessLayout:
 
 class CpuPinning:
     """Keeps this process on a set of cores with a thread count, so that other ranks and an SSD draft process
-    get the remaining cores; :meth:`restore` puts back the affinity and thread count found at the first pin."""
+    get the remaining cores. Engines in one process share :class:`ProcessPinning`: the affinity and thread
+    count found before the first of them pinned are put back when the last one still pinned restores."""
 
     def __init__(self) -> None:
-        self._saved: tuple[set[int], int] | None = None
+        self._pinned = False
 
     def pin(self, cpus: list[int], num_threads: int) -> None:
-        if self._saved is None:
-            self._saved = (os.sched_getaffinity(0), torch.get_num_threads())
+        if not self._pinned:
+            if ProcessPinning.holders == 0:
+                ProcessPinning.original = (os.sched_getaffinity(0), torch.get_num_threads())
+            ProcessPinning.holders += 1
+            self._pinned = True
         os.sched_setaffinity(0, cpus)
         torch.set_num_threads(num_threads)
 
     def restore(self) -> None:
-        if self._saved is not None:
-            affinity, threads = self._saved
+        if not self._pinned:
+            return
+        self._pinned = False
+        ProcessPinning.holders -= 1
+        if ProcessPinning.holders == 0 and ProcessPinning.original is not None:
+            affinity, threads = ProcessPinning.original
+            ProcessPinning.original = None
             os.sched_setaffinity(0, affinity)
             torch.set_num_threads(threads)
-            self._saved = None
 
 
 @dataclass

@@ -95,6 +95,19 @@ def _no_children_after_shutdown(llm: LLM, pid: int | None) -> None:
             os.kill(pid, 0)  # reaped, not a zombie
 
 
+def test_two_engines_in_one_process_plan_the_same_layout(models):
+    """The first SSD engine pins this process to its target cores; a second one must still plan from the
+    process's own cores (not put its draft on the first engine's target core), and the affinity comes back
+    when the last engine shuts down."""
+    before = os.sched_getaffinity(0)
+    with _ssd(models, num_speculative_tokens=2) as first:
+        with _ssd(models, num_speculative_tokens=2) as second:
+            assert second.engine.layout == first.engine.layout
+            assert os.sched_getaffinity(0) == set(first.engine.layout.rank_cpus[0] or before)
+        assert os.sched_getaffinity(0) == set(first.engine.layout.rank_cpus[0] or before)
+    assert os.sched_getaffinity(0) == before
+
+
 # ------------------------------------------------------------------------------------------------
 # greedy: token for token equal to plain AR decoding
 

@@ -21,7 +21,19 @@ class ProcessLayout:
     draft_cpus: list[int] | None  # cores of an SSD draft process on CPU; None = share the target's
 
 
+class ProcessPinning:
+    """Process-wide record of CPU pinning by engines: the affinity and thread count this process had before the
+    first live engine pinned it, and how many live engines hold a pin. A second engine in the same process must
+    plan from those cores, not from the first engine's target cores (it would put its draft on them)."""
+
+    holders = 0
+    original: tuple[set[int], int] | None = None  # (affinity, torch threads) before the first pin
+
+
 def available_cpus() -> list[int]:
+    """The cores this process may use: its affinity before any live engine pinned it, else the current one."""
+    if ProcessPinning.original is not None:
+        return sorted(ProcessPinning.original[0])
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
