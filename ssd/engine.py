@@ -10,8 +10,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
@@ -23,37 +21,15 @@ from ssd.core.sequence import FinishReason, Sequence
 from ssd.distributed.launcher import TensorParallelRanks
 from ssd.executor.step_executor import RowContext, StepExecutor, StepResult
 from ssd.models.loader import load_arch_config
-from ssd.outputs import RequestMetrics, RequestOutput, SpecStats, TokenLogprob
+from ssd.outputs import RequestMetrics, RequestOutput, SpecStats
 from ssd.placement import CpuPinning, plan_engine_layout, start_target_runner
+from ssd.request import EncodedPrompt, Request
 from ssd.sample.sampler import make_generator
 from ssd.sampling_params import SamplingParams
 from ssd.spec.lookahead import LookaheadPolicy
 from ssd.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
-
-
-class EncodedPrompt(NamedTuple):
-    text: str | None
-    token_ids: list[int]
-
-
-@dataclass(eq=False)
-class Request:
-    request_id: str
-    prompt: str | None
-    seq: Sequence
-    params: SamplingParams
-    generator: torch.Generator | None
-    detokenizer: IncrementalDetokenizer
-    metrics: RequestMetrics
-    stop_token_ids: set[int]
-    spec_stats: SpecStats = field(default_factory=SpecStats)
-    logprobs: list[TokenLogprob] | None = None
-    speculation: str = "off"
-    num_reported_tokens: int = 0
-    last_accepted: int = -1  # k of this request's previous verification round (SSD cache key)
-    num_reported_chars: int = 0
 
 
 class LLMEngine:

@@ -17,7 +17,8 @@ import queue
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ssd.engine import EncodedPrompt, LLMEngine
+from ssd.engine import LLMEngine
+from ssd.request import EncodedPrompt
 from ssd.outputs import RequestOutput, TokenLogprob
 from ssd.server.messages import (
     STOP_COMMAND,
