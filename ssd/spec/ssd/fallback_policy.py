@@ -39,6 +39,8 @@ def resolve_filler_padding(padding: str, target_device: str) -> bool:
     if padding == AUTO:
         return str(target_device).startswith("cuda")
     return padding == REPEAT_PADDING
+
+
 Kind = Literal["jit", "random"]
 
 
