@@ -34,6 +34,7 @@ from common import (  # noqa: E402
     RESULTS_DIR,
     WorkerSpec,
     acceptance_histogram,
+    add_filler_padding_arg,
     add_weight_format_args,
     available_cpus,
     chat_prompt_ids,
@@ -77,8 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft", default=None, help="draft checkpoint folder (default: the target itself)")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (num_speculative_tokens)")
     p.add_argument("--fan-out", default="auto", help="SSD fan-out: an integer per k, a list 'a,b,..' (K+1), or a policy")
-    p.add_argument("--filler-padding", default="auto", choices=["none", "repeat", "auto"],
-                   help="SSD random fillers past prompt lookup's copies (as the engine: auto = none on CPU)")
+    add_filler_padding_arg(p)
     p.add_argument("--num-prompts", type=int, default=4, help="prompts per measurement")
     p.add_argument("--output-len", type=int, default=64, help="new tokens per prompt (EOS ignored)")
     p.add_argument("--batch-sizes", default="1,4", help="comma-separated batch sizes (default 1,4)")

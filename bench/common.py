@@ -790,6 +790,13 @@ def load_hf_assistant(path: str, torch_dtype: Any) -> Any:
     return model
 
 
+def add_filler_padding_arg(p: argparse.ArgumentParser) -> None:
+    from ssd.spec.ssd.fallback_policy import AUTO, FILLER_PADDINGS
+
+    p.add_argument("--filler-padding", default=AUTO, choices=list(FILLER_PADDINGS),
+                   help="SSD random fillers past prompt lookup's copies (as the engine: auto = none on CPU)")
+
+
 def add_weight_format_args(p: argparse.ArgumentParser) -> None:
     from ssd.models.packed_fp16 import WEIGHT_FORMATS
 

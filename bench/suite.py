@@ -32,6 +32,7 @@ from common import (  # noqa: E402
     EngineRunner,
     RESULTS_DIR,
     WorkerSpec,
+    add_filler_padding_arg,
     add_weight_format_args,
     available_cpus,
     close_workers,
@@ -78,8 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (num_speculative_tokens)")
     p.add_argument("--fan-out", default="auto", help="SSD fan-out: an integer, a list 'a,b,..' (K+1), or 'auto'")
     p.add_argument("--saguaro-c", type=float, default=1.0, help="SSD Saguaro scaling constant in (0, 1]")
-    p.add_argument("--filler-padding", default="auto", choices=["none", "repeat", "auto"],
-                   help="SSD random fillers past prompt lookup's copies (as the engine: auto = none on CPU)")
+    add_filler_padding_arg(p)
     p.add_argument("--no-prompt-lookup", dest="prompt_lookup", action="store_false",
                    help="SD and SSD draft with the model only (default: prompt lookup copies where it can)")
     p.add_argument("--modes", default=",".join(ALL_MODES), help=f"subset of {','.join(ALL_MODES)} (ar and sd required)")

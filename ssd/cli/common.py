@@ -9,6 +9,7 @@ from typing import Any
 from ssd.dtypes import DTYPE_NAMES
 from ssd.models.packed_fp16 import WEIGHT_FORMATS
 from ssd.sampling_params import SamplingParams
+from ssd.spec.ssd.fallback_policy import FILLER_PADDINGS
 
 
 def _fan_out(value: str) -> int | list[int] | str:
@@ -54,7 +55,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--fan-out-budget", type=int, default=None,
                    help="branches per sequence of 'auto' fan-outs (default: adapted so the draft keeps up)")
     s.add_argument("--fallback", default="auto", choices=["jit", "random", "auto"])
-    s.add_argument("--filler-padding", default="auto", choices=["none", "repeat", "auto"],
+    s.add_argument("--filler-padding", default="auto", choices=list(FILLER_PADDINGS),
                    help="random fillers past prompt lookup's copies (default auto: none on CPU, repeat on CUDA)")
     s.add_argument("--saguaro-c", type=float, default=1.0)
     s.add_argument("--draft-device", default=None)

@@ -96,31 +96,37 @@ class LookaheadPolicy:
         w = self.SEQ_PRIOR_WEIGHT
         return [(p + w * c) / (t + w) for p, t, c in zip(*own, engine)]
 
-    def expected_tokens(self, k: int, seq_id: int | None = None) -> float:
-        """E(k) = 1 + sum_{j<=k} prod_{i<=j} c_i."""
-        total, run = 1.0, 1.0
-        for c in self.conditional_acceptance(seq_id)[:k]:
+    def expected_tokens_all(self, seq_id: int | None = None) -> list[float]:
+        """E(0)..E(K_max), E(k) = 1 + sum_{j<=k} prod_{i<=j} c_i, in one pass over the rates."""
+        totals, run = [1.0], 1.0
+        for c in self.conditional_acceptance(seq_id):
             run *= c
-            total += run
-        return total
+            totals.append(totals[-1] + run)
+        return totals
+
+    def expected_tokens(self, k: int, seq_id: int | None = None) -> float:
+        return self.expected_tokens_all(seq_id)[k]
+
+    def _fit(self, batch_size: int) -> tuple[float, float] | None:
+        line = self._lines.get(batch_size)
+        return None if line is None else line.fit()
 
     def step_time(self, batch_size: int, k: int) -> float | None:
-        line = self._lines.get(batch_size)
-        fit = line.fit() if line is not None else None
+        fit = self._fit(batch_size)
         return None if fit is None else fit[0] + fit[1] * k
 
     def best(self, seq_ids: list[int]) -> int:
         """The K maximising tokens per second for these decoding sequences (K_max while the cost line of
         their batch size is unknown)."""
-        line = self._lines.get(len(seq_ids))
-        fit = line.fit() if line is not None else None
+        fit = self._fit(len(seq_ids))
         if fit is None:
             return self.max_k
         alpha, beta = fit
+        tokens = [sum(col) for col in zip(*(self.expected_tokens_all(s) for s in seq_ids))]  # [K_max + 1]
         best_k, best_rate = self.max_k, -math.inf
         for k in range(self.max_k + 1):
             t = alpha + beta * k
-            rate = sum(self.expected_tokens(k, s) for s in seq_ids) / t if t > 0 else -math.inf
+            rate = tokens[k] / t if t > 0 else -math.inf
             if rate > best_rate + 1e-12:
                 best_k, best_rate = k, rate
         return best_k
@@ -135,7 +141,7 @@ class LookaheadPolicy:
             n = self._explored.get(batch_size, 0)
             self._explored[batch_size] = n + 1
             return n % (self.max_k + 1)
-        return self.best(list(seq_ids)) if seq_ids else self.max_k
+        return self.best(seq_ids) if seq_ids else self.max_k
 
     def observe_round(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:
         """A verified round of sequence `seq_id`: `num_accepted` of its `num_drafts` drafts were accepted."""
