@@ -307,11 +307,12 @@ class DraftEngine:
                 kept = torch.stack(probs_kept[i][b]) if probs_kept[i][b] else None
                 state.cache[(k, c)] = CachedSpeculation(sampled[i][b], kept, copied[i][b])
 
-    def _tree_item(self, state: DraftSeqState, branch: list[tuple[int, int]], tokens: list[int], j: int, k_max: int):
+    def _tree_item(self, state: DraftSeqState, branch: list[tuple[int, int]], tokens: list[int], j: int,
+                   num_glued: int):
         mirror = state.mirror
         n = mirror.num_tokens  # committed tokens; t_n sits at position n - 1
         m = len(branch)
-        glue_end = n + k_max  # natural slots 0 .. n+L-1 hold t_1..t_n, e_1..e_L
+        glue_end = n + num_glued  # natural slots 0 .. n+L-1 hold t_1..t_n, e_1..e_L (L = num_glued drafts)
         ks = np.array([k for k, _ in branch])
         positions = n + ks + j
         scratch = np.arange((j + 1) * m)
