@@ -49,3 +49,33 @@ def test_generation_order_appends_without_moving_earlier_prompts(prompts):
     assert order[: len(earlier)] == earlier
     assert sorted(order[len(earlier):]) == sorted(docs)
     assert generation_order(chat, stubs, docs) == order  # deterministic
+
+
+def test_user_turn_prefix_ends_where_the_message_begins(tmp_path):
+    from checkpoints import make_tokenizer
+    from make_data import user_turn_prefix
+
+    from ssd.tokenizer import Tokenizer
+
+    make_tokenizer().save_pretrained(tmp_path)
+    tok = Tokenizer(str(tmp_path))
+    prefix = user_turn_prefix(tok)
+    full = tok.apply_chat_template([{"role": "user", "content": "Hello there"}])
+    assert full[: len(prefix)] == prefix
+    # special tokens included, nothing of the message
+    assert tok.decode(prefix, skip_special_tokens=False) == "<|im_start|>user\n"
+
+
+def test_select_requests_keeps_closed_new_requests_once():
+    from make_data import select_requests
+
+    samples = [
+        ("  How do tides work?\n", "stop", 6),
+        ("How do tides work?", "stop", 5),  # a duplicate
+        ("how do tides WORK?", "stop", 5),  # a duplicate up to case
+        ("Tell me about the", "length", 64),  # the target never closed its turn
+        ("Hi", "stop", 1),  # too short
+        (CHAT_EVAL[0].upper(), "stop", 12),  # an evaluation prompt
+        ("Name three rivers.", "stop", 5),
+    ]
+    assert select_requests(samples, CHAT_EVAL) == ["How do tides work?", "Name three rivers."]

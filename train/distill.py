@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from make_data import continuation_files, sampled_files
+from make_data import continuation_files, sampled_files, selfchat_files
 
 
 logger = logging.getLogger("distill")
@@ -74,10 +74,12 @@ class Example:
 
 
 def load_examples(data: Path) -> tuple[list[Example], list[Example], list[Example]]:
-    """(train gen, validation, train chunks). Validation: the greedy continuations of every 8th prompt and
-    every 16th stdlib and docs chunk; sampled continuations of those prompts are not used at all."""
+    """(train gen, validation, train chunks). Validation: the greedy continuations of every 8th prompt, the
+    answers to every 8th self-written request, and every 16th stdlib and docs chunk; sampled continuations of
+    held-out prompts are not used at all."""
     gen_train, gen_val, lib = [], [], []
     greedy = [(start + j, r) for f, start in continuation_files(data) for j, r in enumerate(torch.load(f))]
+    greedy += [(j, r) for f in selfchat_files(data) for j, r in enumerate(torch.load(f))]
     sampled = [(start + j, r) for f, start in sampled_files(data) for j, r in enumerate(torch.load(f))]
     for kind, records in (("greedy", greedy), ("sampled", sampled)):
         for prompt_index, r in records:
@@ -100,7 +102,7 @@ def load_examples(data: Path) -> tuple[list[Example], list[Example], list[Exampl
 
 
 def data_stamp(data: Path) -> tuple:
-    files = [f for f, _ in continuation_files(data) + sampled_files(data)]
+    files = [f for f, _ in continuation_files(data) + sampled_files(data)] + selfchat_files(data)
     return tuple((f.name, f.stat().st_mtime) for f in files)
 
 

@@ -10,9 +10,12 @@ Stages (run in order; each writes one file under --out, default train/data/):
                logprobs at every position from one fp32 forward pass (teaches the draft code in general).
 * ``docs``   — chunks of the Python documentation's reStructuredText sources (Debian's python3.11-doc),
                labelled the same way (English technical prose beyond the template prompts).
+* ``selfchat`` — requests written by the target itself (sampled from the chat template cut right after the
+               user turn opens, the way an instruction-tuned model completes a user message) and the
+               target's greedy answers to them with top-20 logprobs: varied chat beyond the templates.
 * ``vocab``  — token frequencies over all sets; the reduced draft vocabulary is the most frequent ids.
 
-Usage: python train/make_data.py gen|hfgen|stdlib|docs|vocab [--out DIR] [options]
+Usage: python train/make_data.py gen|hfgen|stdlib|docs|selfchat|vocab [--out DIR] [options]
 """
 
 from __future__ import annotations
@@ -48,9 +51,26 @@ def continuation_files(data: Path) -> list[tuple[Path, int]]:
     return [(f, start) for f, start in names if f.exists()]
 
 
+def selfchat_files(data: Path) -> list[Path]:
+    """Answers to the target's self-written requests (``selfchat.pt``); record j answers request j."""
+    return [f for f in (data / "selfchat.pt",) if f.exists()]
+
+
 def sampled_files(data: Path) -> list[tuple[Path, int]]:
     """Sampled continuation files (``hfsample_t<100 T>_<start>.pt``) with the index of their first prompt."""
     return [(f, int(f.stem.rsplit("_", 1)[1])) for f in sorted(data.glob("hfsample_t*_*.pt"))]
+
+
+def labelled_record(o) -> dict:
+    """A continuation record from one of our engine's outputs requested with ``logprobs=TOPK``."""
+    top_ids = torch.zeros(len(o.token_ids), TOPK, dtype=torch.int32)  # [T, K]
+    top_lp = torch.full((len(o.token_ids), TOPK), -1e4, dtype=torch.float16)  # [T, K]
+    for i, lp in enumerate(o.logprobs or []):
+        items = sorted((lp.top or {lp.token_id: lp.logprob}).items(), key=lambda kv: -kv[1])[:TOPK]
+        for j, (tid, val) in enumerate(items):
+            top_ids[i, j] = tid
+            top_lp[i, j] = max(val, -1e4)
+    return {"prompt": list(o.prompt_token_ids), "output": list(o.token_ids), "top_ids": top_ids, "top_lp": top_lp}
 
 
 def stage_gen(out: Path, max_tokens: int, batch: int, budget_s: float, seed: int) -> None:
@@ -70,15 +90,7 @@ def stage_gen(out: Path, max_tokens: int, batch: int, budget_s: float, seed: int
     step = 32
     for start in range(0, len(prompts), step):
         outs = llm.generate(prompts[start : start + step], params)
-        for o in outs:
-            top_ids = torch.zeros(len(o.token_ids), TOPK, dtype=torch.int32)  # [T, K]
-            top_lp = torch.full((len(o.token_ids), TOPK), -1e4, dtype=torch.float16)  # [T, K]
-            for i, lp in enumerate(o.logprobs or []):
-                items = sorted((lp.top or {lp.token_id: lp.logprob}).items(), key=lambda kv: -kv[1])[:TOPK]
-                for j, (tid, val) in enumerate(items):
-                    top_ids[i, j] = tid
-                    top_lp[i, j] = max(val, -1e4)
-            records.append({"prompt": list(o.prompt_token_ids), "output": list(o.token_ids), "top_ids": top_ids, "top_lp": top_lp})
+        records += [labelled_record(o) for o in outs]
         ntok = sum(len(r["output"]) for r in records)
         logger.info("%d/%d prompts, %d tokens, %.0f s", len(records), len(prompts), ntok, time.time() - t0)
         torch.save(records, out / "gen.pt")  # after every chunk: a time-boxed run keeps what it has
@@ -136,6 +148,58 @@ def stage_hfgen(out: Path, max_tokens: int, batch: int, budget_s: float, seed: i
         if time.time() - t0 > budget_s:
             logger.info("time budget reached")
             break
+
+
+def user_turn_prefix(tok) -> list[int]:
+    """The chat template's token ids up to where the user's message begins (system turn included): the
+    common prefix of two renderings whose messages differ from their first character on."""
+    a = tok.apply_chat_template([{"role": "user", "content": "Alpha"}])
+    b = tok.apply_chat_template([{"role": "user", "content": "Omega"}])
+    n = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    return list(a[:n])
+
+
+def select_requests(samples: list[tuple[str, str | None, int]], exclude: list[str]) -> list[str]:
+    """The sampled requests worth answering, from (text, finish reason, token count): those the target closed
+    itself (finish reason "stop") with at least 4 tokens, each once, none of them an evaluation prompt."""
+    seen = {p.strip().lower() for p in exclude}
+    kept = []
+    for text, finish_reason, num_tokens in samples:
+        text = text.strip()
+        if finish_reason == "stop" and num_tokens >= 4 and text.lower() not in seen:
+            seen.add(text.lower())
+            kept.append(text)
+    return kept
+
+
+def stage_selfchat(out: Path, num_requests: int, max_tokens: int, batch: int, budget_s: float, seed: int) -> None:
+    """Requests sampled from the target (temperature 1, top-p 0.95, kept only when the target closed its user
+    turn within 64 tokens; duplicates and evaluation prompts dropped), then the target's greedy answers with
+    top-k logprobs, by our engine at its default precision (what the draft meets when serving)."""
+    from eval_prompts import CHAT_EVAL
+
+    from ssd import LLM, SamplingParams
+
+    llm = LLM(model=target_path(), kv_cache_memory="2GiB", max_num_seqs=batch)
+    tok = llm.tokenizer
+    prefix = user_turn_prefix(tok)
+    ask = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=64, seed=seed + i) for i in range(num_requests)]
+    t0 = time.time()
+    samples = llm.generate([prefix] * num_requests, ask)
+    requests = select_requests([(o.text, o.finish_reason, len(o.token_ids)) for o in samples], CHAT_EVAL)
+    logger.info("%d of %d sampled requests kept, %.0f s", len(requests), num_requests, time.time() - t0)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": r}]) for r in requests]
+    answer = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=TOPK)
+    records = []
+    for s in range(0, len(prompts), 4 * batch):
+        records += [labelled_record(o) for o in llm.generate(prompts[s : s + 4 * batch], answer)]
+        ntok = sum(len(r["output"]) for r in records)
+        logger.info("%d/%d answers, %d tokens, %.0f s", len(records), len(prompts), ntok, time.time() - t0)
+        torch.save(records, out / "selfchat.pt")
+        if time.time() - t0 > budget_s:
+            logger.info("time budget reached")
+            break
+    llm.shutdown()
 
 
 def stdlib_files(seed: int) -> list[Path]:
@@ -211,7 +275,7 @@ def label_chunks(dest: Path, files: list[Path], num_chunks: int, chunk_len: int,
 def stage_vocab(out: Path) -> None:
     """Token counts over all training data, teacher top-1 weighted most (it is what the draft must say)."""
     counts = torch.zeros(49152, dtype=torch.float64)
-    for f in [*(f for f, _ in continuation_files(out)), out / "stdlib.pt", out / "docs.pt"]:
+    for f in [*(f for f, _ in continuation_files(out)), *selfchat_files(out), out / "stdlib.pt", out / "docs.pt"]:
         if not f.exists():
             continue
         for r in torch.load(f):
@@ -226,13 +290,14 @@ def stage_vocab(out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["gen", "hfgen", "stdlib", "docs", "vocab"])
+    ap.add_argument("stage", choices=["gen", "hfgen", "stdlib", "docs", "selfchat", "vocab"])
     ap.add_argument("--start", type=int, default=0, help="hfgen: first shuffled prompt to cover")
     ap.add_argument("--end", type=int, default=None, help="hfgen: stop before this shuffled prompt (default: all)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="hfgen: sample continuations at this temperature (0: greedy)")
     ap.add_argument("--source", default="/usr/share/doc/python3.11/html/_sources",
                     help="docs: folder of .txt documentation sources (Debian's python3.11-doc)")
+    ap.add_argument("--num-requests", type=int, default=2048, help="selfchat: requests to sample from the target")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "data"))
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--batch", type=int, default=32)
@@ -256,6 +321,8 @@ def main() -> None:
         stage_stdlib(out, args.num_chunks, args.chunk_len, args.seed, args.budget_s)
     elif args.stage == "docs":
         stage_docs(out, Path(args.source), args.num_chunks, args.chunk_len, args.seed, args.budget_s)
+    elif args.stage == "selfchat":
+        stage_selfchat(out, args.num_requests, args.max_tokens, args.batch, args.budget_s, args.seed)
     else:
         stage_vocab(out)
 
