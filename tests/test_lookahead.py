@@ -1,9 +1,11 @@
 """Adaptive lookahead (ssd/spec/lookahead.py): exact estimates, the choice of K, exploration, validation."""
 
+import math
+
 import pytest
 
 from ssd.config import SpeculativeConfig
-from ssd.spec.lookahead import LookaheadPolicy, _Line
+from ssd.spec.lookahead import LookaheadPolicy, _Line, logit_shift
 
 
 def test_line_fit_is_exact_and_needs_two_x_values():
@@ -30,22 +32,67 @@ def test_conditional_acceptance_per_depth_exact():
     assert policy.expected_tokens(3) == pytest.approx(1 + 0.6 + 0.3 + 0.3 * 2 / 3)
 
 
-def test_sequences_keep_their_own_rates_on_the_engine_prior():
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def _shift_by_bisection(rates, passed, tried, sd) -> float:
+    """The root of the log-posterior's derivative in delta, found independently of the policy's Newton."""
+    logits = [math.log(c / (1 - c)) for c in rates]
+
+    def grad(d):
+        return sum(p - t * _sigmoid(z + d) for z, p, t in zip(logits, passed, tried)) - d / sd**2
+
+    lo, hi = -20.0, 20.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if grad(mid) > 0 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def test_logit_shift_is_the_posterior_mode():
+    rates = [0.35, 0.5, 0.7]
+    for passed, tried in (([3, 0, 0], [3, 0, 0]), ([0, 0, 0], [4, 0, 0]), ([5, 3, 1], [6, 5, 3]), ([0, 0, 0], [0, 0, 0])):
+        expected = _shift_by_bisection(rates, passed, tried, 1.5)
+        assert logit_shift(rates, passed, tried, sd=1.5) == pytest.approx(expected, abs=1e-9)
+    assert logit_shift(rates, [0, 0, 0], [0, 0, 0], sd=1.5) == 0.0  # no evidence: the prior's mode
+
+
+def test_sequences_keep_their_own_rates_on_a_shifted_engine_prior():
     policy = LookaheadPolicy(2, prior_acceptance=0.5, prior_weight=2.0, acceptance_decay=1.0)
     for _ in range(4):
         policy.observe_round(1, 2, 2)
         policy.observe_round(2, 2, 0)
     engine = policy.conditional_acceptance()
     assert engine == pytest.approx([(1 + 4) / (2 + 8), (1 + 4) / (2 + 4)])
-    w = LookaheadPolicy.SEQ_PRIOR_WEIGHT
-    assert policy.conditional_acceptance(1) == pytest.approx([(4 + w * engine[0]) / (4 + w), (4 + w * engine[1]) / (4 + w)])
-    assert policy.conditional_acceptance(2) == pytest.approx([(0 + w * engine[0]) / (4 + w), engine[1]])
+    w, sd = LookaheadPolicy.SEQ_PRIOR_WEIGHT, LookaheadPolicy.SEQ_SHIFT_SD
+    logits = [math.log(c / (1 - c)) for c in engine]
+    up = _shift_by_bisection(engine, [4, 4], [4, 4], sd)
+    down = _shift_by_bisection(engine, [0, 0], [4, 0], sd)
+    assert up > 0 > down
+    assert policy.conditional_acceptance(1) == pytest.approx(
+        [(4 + w * _sigmoid(logits[0] + up)) / (4 + w), (4 + w * _sigmoid(logits[1] + up)) / (4 + w)])
+    # sequence 2 never reached depth 2: its rate there is the engine's, shifted down by its depth-1 failures
+    assert policy.conditional_acceptance(2) == pytest.approx(
+        [(0 + w * _sigmoid(logits[0] + down)) / (4 + w), _sigmoid(logits[1] + down)])
     policy.forget(1)
     assert policy.conditional_acceptance(1) == engine  # an unknown sequence gets the engine-wide rates
 
 
-def _policy_with_line(acceptance: float, alpha: float = 0.030, beta: float = 0.010) -> LookaheadPolicy:
-    policy = LookaheadPolicy(4, prior_acceptance=acceptance, prior_weight=1.0)
+def test_a_sequence_that_passes_shallow_depths_earns_a_longer_lookahead():
+    # Chat-like sequences lowered the engine-wide rates so far that K = 1 is best for a new sequence;
+    # a code sequence that passes depth 1 every time is then expected to pass deeper depths more often too,
+    # and gets a longer lookahead before any exploration step tried it there.
+    policy = _policy_with_line(0.35, weight=50.0)  # as if after many chat rounds
+    assert policy.best([1]) == 1  # E = 1, 1.35, 1.47, ... over 30, 40, 50, ... ms
+    for _ in range(4):
+        policy.observe_round(1, 1, 1)
+    assert policy.conditional_acceptance(1)[2] > 0.7 > 0.35 == policy.conditional_acceptance()[2]
+    assert policy.best([1]) == 3  # c = 0.90, 0.76, 0.76, 0.76 (the old per-depth prior: 0.90, 0.35, ...: K = 1)
+
+
+def _policy_with_line(acceptance: float, alpha: float = 0.030, beta: float = 0.010, weight: float = 1.0) -> LookaheadPolicy:
+    policy = LookaheadPolicy(4, prior_acceptance=acceptance, prior_weight=weight)
     policy.observe_step(1, 4.0, alpha + 4 * beta)
     policy.observe_step(1, 0.0, alpha)
     return policy
@@ -91,10 +138,9 @@ def test_validation():
         policy.observe_step(0, 1.0, 0.1)
 
 
-def test_config_accepts_adaptive_lookahead_for_draft_model_only():
+def test_config_accepts_adaptive_lookahead_for_both_methods():
     assert SpeculativeConfig(model="d", adaptive_lookahead=True).adaptive_lookahead
-    with pytest.raises(ValueError, match="applies to method='draft_model'"):
-        SpeculativeConfig(method="ssd", model="d", adaptive_lookahead=True)
+    assert SpeculativeConfig(method="ssd", model="d", adaptive_lookahead=True).adaptive_lookahead
     with pytest.raises(ValueError, match="must be True or False"):
         SpeculativeConfig(model="d", adaptive_lookahead="yes")
 

@@ -10,9 +10,14 @@ text, the draft and the batch size. So the engine measures both sides and picks,
 0..K_max that maximises sum_i E_i(K) / t_B(K) over the B decoding sequences (tokens per second):
 
 - c_j: decayed counts over verified rounds (a round with n drafts and k accepted tried depths 1..min(k+1, n)
-  and passed depths 1..k), engine-wide from a prior, and per sequence with the engine-wide rates as their
-  prior (`SEQ_PRIOR_WEIGHT` pseudo-attempts per depth): code that copies its prompt and chat in one batch
-  keep their own rates;
+  and passed depths 1..k), engine-wide from a prior, and per sequence on a prior of its own
+  (`SEQ_PRIOR_WEIGHT` pseudo-attempts per depth): code that copies its prompt and chat in one batch keep
+  their own rates. The per-sequence prior is the engine-wide rates shifted by one offset delta in logit
+  space, c_j' = sigmoid(logit c_j + delta), delta the posterior mode given all of the sequence's rounds
+  (Gaussian prior, sd `SEQ_SHIFT_SD`): a sequence that passes every shallow depth is expected to pass the
+  deeper ones more often than the engine-wide rates say, before it has been tried there (a request that
+  starts on K = 1 because the batch's other requests lowered the engine-wide rates would otherwise have
+  to wait for exploration steps to earn a longer lookahead);
 - t_B(K): the measured wall time of pure decode steps (no prefill in the batch) at batch size B, fitted as a
   line in the mean number of drafts per sequence by decayed least squares. K = 0 is a plain decode step.
 
@@ -55,11 +60,39 @@ class _Line:
         return alpha, beta
 
 
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x)) if x >= 0 else math.exp(x) / (1.0 + math.exp(x))
+
+
+def _logit(p: float, eps: float = 1e-4) -> float:
+    p = min(max(p, eps), 1.0 - eps)
+    return math.log(p / (1.0 - p))
+
+
+def logit_shift(rates: list[float], passed: list[float], tried: list[float], sd: float, steps: int = 8) -> float:
+    """The mode of delta's posterior when depth j passes with probability sigmoid(logit rates[j] + delta),
+    `passed[j]` of `tried[j]` times, under a N(0, sd^2) prior (Newton's method on a concave log-posterior)."""
+    logits = [_logit(c) for c in rates]
+    delta, precision = 0.0, 1.0 / (sd * sd)
+    for _ in range(steps):
+        grad, curv = -delta * precision, precision
+        for z, p, t in zip(logits, passed, tried):
+            q = _sigmoid(z + delta)
+            grad += p - t * q
+            curv += t * q * (1.0 - q)
+        step = grad / curv
+        delta += max(-2.0, min(2.0, step))  # damped: the first steps from 0 can overshoot at extreme rates
+        if abs(step) < 1e-9:
+            break
+    return delta
+
+
 class LookaheadPolicy:
     """Per-depth acceptance counts and per-batch-size step-time lines; `choose` gives each step's K."""
 
     EXPLORE_EVERY = 8
     SEQ_PRIOR_WEIGHT = 4.0
+    SEQ_SHIFT_SD = 1.5
 
     def __init__(
         self,
@@ -93,8 +126,9 @@ class LookaheadPolicy:
         own = self._seq_counts.get(seq_id) if seq_id is not None else None
         if own is None:
             return engine
+        delta = logit_shift(engine, *own, sd=self.SEQ_SHIFT_SD)
         w = self.SEQ_PRIOR_WEIGHT
-        return [(p + w * c) / (t + w) for p, t, c in zip(*own, engine)]
+        return [(p + w * _sigmoid(_logit(c) + delta)) / (t + w) for p, t, c in zip(*own, engine)]
 
     def expected_tokens_all(self, seq_id: int | None = None) -> list[float]:
         """E(0)..E(K_max), E(k) = 1 + sum_{j<=k} prod_{i<=j} c_i, in one pass over the rates."""
