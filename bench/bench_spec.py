@@ -147,7 +147,8 @@ def placements(args: argparse.Namespace, modes: tuple[str, ...] = MODES
 
 
 def speculative_config(mode: str, args: argparse.Namespace, draft: str) -> dict[str, Any] | None:
-    """The engine's ``speculative_config`` for a mode name: ``ar``, ``sd``, ``sd-adaptive`` or ``ssd-<fallback>``."""
+    """The engine's ``speculative_config`` for a mode name: ``ar``, ``sd``, ``sd-adaptive``, ``ssd-<fallback>``
+    or ``ssd-adaptive`` (the auto fallback with an adaptive lookahead)."""
     if mode == "ar":
         return None
     common = {"model": draft, "num_speculative_tokens": args.k, "prompt_lookup": getattr(args, "prompt_lookup", True),
@@ -156,9 +157,11 @@ def speculative_config(mode: str, args: argparse.Namespace, draft: str) -> dict[
         return {"method": "draft_model", **common}
     if mode == "sd-adaptive":  # K chosen each step in 0..K from measured acceptance and step times
         return {"method": "draft_model", **common, "adaptive_lookahead": True}
-    fallback = mode.split("-", 1)[1]
+    adaptive = mode == "ssd-adaptive"
+    fallback = "auto" if adaptive else mode.split("-", 1)[1]
     return {"method": "ssd", **common, "fan_out": args.fan_out, "fallback": fallback,
-            "saguaro_c": getattr(args, "saguaro_c", 1.0), "filler_padding": args.filler_padding}
+            "saguaro_c": getattr(args, "saguaro_c", 1.0), "filler_padding": args.filler_padding,
+            "adaptive_lookahead": adaptive}
 
 
 def build_specs(args, target: str, draft: str, prompts, layouts) -> list[WorkerSpec]:

@@ -61,7 +61,7 @@ from suite_summary import (  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DRAFT = REPO / "models" / "smollm2-draft"
-ALL_MODES = ("ar", "sd", "sd-adaptive", "ssd-jit", "ssd-random", "ssd-auto")
+ALL_MODES = ("ar", "sd", "sd-adaptive", "ssd-jit", "ssd-random", "ssd-auto", "ssd-adaptive")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -43,8 +43,8 @@ class SpeculativeConfig:
     method: str = "draft_model"
     model: str | None = None
     num_speculative_tokens: int = 4
-    # draft_model only: choose each step's K in 0..num_speculative_tokens from the measured acceptance per
-    # depth and the measured step time per batch size (ssd/spec/lookahead.py)
+    # choose each step's K in 0..num_speculative_tokens from the measured acceptance per depth and the
+    # measured step time per batch size (ssd/spec/lookahead.py); SSD still builds its cache for the full K
     adaptive_lookahead: bool = False
     draft_dtype: str | None = None  # default: the target's dtype; "auto" resolves for the draft's device
     # "auto": float16 weights packed for FBGEMM where the draft runs on CPU in float32 (ssd/models/packed_fp16.py)
@@ -88,9 +88,6 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
         if not isinstance(self.adaptive_lookahead, bool):
             raise ValueError(f"adaptive_lookahead must be True or False, got {self.adaptive_lookahead!r}")
-        if self.adaptive_lookahead and self.method != "draft_model":
-            raise ValueError("adaptive_lookahead applies to method='draft_model' (SSD drafts off the critical path "
-                             "and sizes its speculation cache for num_speculative_tokens)")
         if self.fan_out_budget is not None:
             check_budget(self.fan_out_budget, "fan_out_budget")
             if not any(is_auto_spec(f) for f in (self.fan_out, self.fan_out_miss)):

@@ -27,6 +27,7 @@ from ssd.request import EncodedPrompt, Request
 from ssd.sample.sampler import make_generator
 from ssd.sampling_params import SamplingParams
 from ssd.spec.lookahead import LookaheadPolicy
+from ssd.spec.ssd.fallback_policy import RANDOM
 from ssd.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -295,7 +296,9 @@ class LLMEngine:
     def _record_round(self, request: Request, round_, result: StepResult) -> None:
         hit, fallback = result.lookup(request.seq.seq_id)
         copied = result.copied(request.seq.seq_id)
-        if self.lookahead_policy is not None:
+        if self.lookahead_policy is not None and fallback != RANDOM:
+            # A random filler's drafts are prompt-lookup copies (or none), not the draft model's: their
+            # acceptance says nothing about the rates the next speculation will have.
             self.lookahead_policy.observe_round(request.seq.seq_id, round_.num_drafts, round_.num_accepted)
         for stats in (request.spec_stats, self.stats):
             stats.record_round(round_.num_drafts, round_.num_accepted, copied)

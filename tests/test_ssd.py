@@ -9,6 +9,7 @@ process start, so one engine serves all the checks of its configuration.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import signal
@@ -122,6 +123,7 @@ GREEDY_CONFIGS = {
     "K5-auto-random-preempt": dict(num_speculative_tokens=5, fan_out="auto", fallback="random", kv_blocks=14),
     "K3-fanout2-jit-no-lookup": dict(num_speculative_tokens=3, fan_out=2, fallback="jit", prompt_lookup=False),
     "K3-fanout2-random-no-lookup": dict(num_speculative_tokens=3, fan_out=2, fallback="random", prompt_lookup=False),
+    "K4-auto-auto-adaptive": dict(num_speculative_tokens=4, fan_out="auto", fallback="auto", adaptive_lookahead=True),
 }
 ALLOWED_FALLBACKS = {"jit": {"jit"}, "random": {"random"}, "auto": {"jit", "random"}}
 
@@ -222,6 +224,25 @@ def test_draft_equal_to_target_hits_every_round_and_accepts_everything(models):
         _no_children_after_shutdown(llm, llm.engine.proposer.pid)
 
 
+def test_adaptive_lookahead_hits_whatever_lookahead_each_round_chooses(models):
+    """With an adaptive lookahead the worker still builds every cache for the full K, so a round may verify
+    fewer drafts than the next one asks for and the next lookup still hits: draft = target, greedy, the
+    lookahead scripted to change every step (3, 1, 2, ...): every round after each request's first hits and
+    accepts all its drafts, and the tokens equal AR."""
+    K = 3
+    with _ssd(models, draft=models.target, num_speculative_tokens=K, fan_out=1, fallback="jit",
+              prompt_lookup=False, draft_weight_format="dense", adaptive_lookahead=True) as llm:
+        script = itertools.cycle([3, 1, 2, 1, 3, 2])
+        llm.engine.lookahead_policy.choose = lambda seq_ids: next(script)
+        outputs = llm.generate(PROMPTS, GREEDY)
+        _assert_greedy(outputs, models, range(len(PROMPTS)))
+        s = llm.stats
+        assert s.cache_hits == s.cache_lookups - len(PROMPTS)
+        assert s.num_accepted_tokens == s.num_draft_tokens
+        assert all(s.acceptance_histogram[k] > 0 for k in (1, 2, 3))  # every lookahead was verified
+        _no_children_after_shutdown(llm, llm.engine.proposer.pid)
+
+
 # ------------------------------------------------------------------------------------------------
 # sampling: the target's exact distribution
 
@@ -253,6 +274,7 @@ SAMPLING_CONFIGS = {  # the first three exercise the draft model alone, the last
                             prompt_lookup=False),
     "lookup-jit": dict(num_speculative_tokens=3, fan_out=2, fallback="jit", saguaro_c=0.5),
     "lookup-random": dict(num_speculative_tokens=3, fan_out=[2, 1, 1, 2], fallback="random"),
+    "adaptive-jit": dict(num_speculative_tokens=3, fan_out=2, fallback="jit", adaptive_lookahead=True),
 }
 
 

@@ -43,7 +43,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--method", default="ssd", choices=["ssd", "draft_model"], help="with --draft (default ssd)")
     s.add_argument("--k", type=int, default=4, help="draft tokens per round (lookahead K)")
     s.add_argument("--adaptive-lookahead", action="store_true",
-                   help="draft_model: choose each round's K in 0..--k from measured acceptance and step times")
+                   help="choose each round's K in 0..--k from measured acceptance and step times (SSD still caches K)")
     s.add_argument("--draft-weight-format", default="auto", choices=list(WEIGHT_FORMATS),
                    help="the draft's weights (default auto: fp16-packed on CPU in float32)")
     s.add_argument("--no-prompt-lookup", action="store_true",

@@ -110,7 +110,8 @@ class SSDProposer:
         for r in requests:
             seq = r.seq
             told = self._told[seq.seq_id]
-            rows.append((seq.seq_id, seq.token_ids[told:], self._last_k[seq.seq_id], r.num_drafts))
+            rows.append((seq.seq_id, seq.token_ids[told:], self._last_k[seq.seq_id], r.num_drafts,
+                         self._tree_depth(r)))
             self._told[seq.seq_id] = seq.num_tokens
         fallback = self._fallback.choose(len(requests))
         round_id = next(self._round_ids)
@@ -133,6 +134,13 @@ class SSDProposer:
         proposal = self._to_proposal(reply, requests)
         self._account(proposal, reply)
         return proposal
+
+    def _tree_depth(self, request: ProposalRequest) -> int:
+        """Drafts per branch of the cache the worker builds during this round: K (so that a hit can serve
+        whatever lookahead the next round chooses), fewer only when the request cannot use K more tokens."""
+        seq = request.seq
+        remaining = seq.sampling_params.max_tokens - seq.num_output_tokens - 1
+        return max(request.num_drafts, min(self.K, remaining))
 
     def _to_proposal(self, reply, requests: list[ProposalRequest]) -> Proposal:
         tokens = torch.from_numpy(reply.draft_tokens)  # [B, K]

@@ -133,7 +133,7 @@ class DraftEngine:
         for row, result in zip(rows, results):
             state = self.states[row.seq_id]
             state.speculation = [state.mirror.last_token_id] + result.tokens
-            state.lookahead = row.num_drafts
+            state.lookahead = row.tree_depth
             state.cache = {}
             if result.fallback == RANDOM:
                 state.num_valid_drafts = 0

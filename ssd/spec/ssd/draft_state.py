@@ -22,7 +22,7 @@ class DraftSeqState:
     mirror: Sequence  # committed tokens; num_computed_tokens = tokens whose draft K/V is valid
     generator: torch.Generator
     speculation: list[int] = field(default_factory=list)  # last returned [t_n, e_1..e_n] (n <= K_i)
-    lookahead: int = 0  # K_i of the last request: tokens each tree branch drafts for the next round
+    lookahead: int = 0  # tokens each tree branch drafts for the next round (the last request's tree depth)
     num_valid_drafts: int = 0  # leading e_j whose K/V sits in natural slots (glue: all K, jit: K-1)
     fan_out: list[int] = field(default_factory=list)  # F_0..F_K of the next cache build (Saguaro scales these)
     cache: dict[tuple[int, int], CachedSpeculation] = field(default_factory=dict)
@@ -42,7 +42,12 @@ class SpeculateRow:
     seq_id: int
     new_tokens: list[int]  # committed tokens the draft has not seen (ends with the pending token)
     num_accepted: int  # k of the round just verified; -1 when there was none (first round, or after a reset)
-    num_drafts: int
+    num_drafts: int  # K_i of this round
+    lookahead: int | None = None  # drafts per branch of the next cache (>= num_drafts); None: num_drafts
+
+    @property
+    def tree_depth(self) -> int:
+        return self.num_drafts if self.lookahead is None else self.lookahead
 
 
 @dataclass

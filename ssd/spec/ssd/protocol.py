@@ -130,7 +130,9 @@ class SpeculateMsg(WireMessage):
     """One decode round: per row, the committed tokens the worker has not seen and last round's outcome.
 
     num_accepted is k of the previous round (-1 when there was none or it is unknown); with the last new
-    token (the recovery/bonus token t*) it forms the cache key (k, t*).
+    token (the recovery/bonus token t*) it forms the cache key (k, t*). num_drafts is this round's K_i;
+    lookahead (>= num_drafts) is how many drafts each branch of the cache built during this round prepares,
+    the most the next round may ask for (more than K_i when the target chooses its lookahead per round).
     """
 
     COMMAND: ClassVar[Command] = Command.SPECULATE
@@ -140,6 +142,7 @@ class SpeculateMsg(WireMessage):
         "new_lengths": (_I64, 1),
         "num_accepted": (_I64, 1),
         "num_drafts": (_I32, 1),
+        "lookahead": (_I32, 1),
     }
 
     round_id: int
@@ -148,6 +151,7 @@ class SpeculateMsg(WireMessage):
     new_lengths: np.ndarray  # [B] int64, sum == N
     num_accepted: np.ndarray  # [B] int64, -1 = no previous round / unknown
     num_drafts: np.ndarray  # [B] int32, K_i
+    lookahead: np.ndarray  # [B] int32, tree depth of the next cache, >= K_i
     fallback: int = 1  # FallbackKind for the rows that miss (JIT or RANDOM), chosen by the client
 
     def _validate(self) -> None:
@@ -155,13 +159,15 @@ class SpeculateMsg(WireMessage):
         self.fallback = check_int("SpeculateMsg", "fallback", self.fallback)
         if self.fallback not in (FallbackKind.JIT, FallbackKind.RANDOM):
             raise ProtocolError(f"SpeculateMsg.fallback must be JIT or RANDOM, got {self.fallback}")
-        per_row = ("new_lengths", "num_accepted", "num_drafts")
+        per_row = ("new_lengths", "num_accepted", "num_drafts", "lookahead")
         check_rows("SpeculateMsg", self.seq_ids.shape[0], self, per_row)
         check_ragged("SpeculateMsg", "new_token_ids", "new_lengths", self)
         if self.num_accepted.size and self.num_accepted.min() < -1:
             raise ProtocolError("SpeculateMsg.num_accepted must be >= -1 (-1 = no previous round)")
         if self.num_drafts.size and self.num_drafts.min() < 0:
             raise ProtocolError("SpeculateMsg.num_drafts must be >= 0")
+        if (self.lookahead < self.num_drafts).any():
+            raise ProtocolError("SpeculateMsg.lookahead must be >= num_drafts in every row")
 
     @classmethod
     def from_lists(
@@ -171,12 +177,15 @@ class SpeculateMsg(WireMessage):
         new_token_ids: Sequence[Sequence[int]],
         num_accepted: Sequence[int],
         num_drafts: Sequence[int],
+        lookahead: Sequence[int] | None = None,
     ) -> SpeculateMsg:
+        """``lookahead`` defaults to ``num_drafts`` (the next cache prepares as many drafts as this round's)."""
         flat, lengths = pack_ragged(new_token_ids)
         return cls(
             round_id=round_id, seq_ids=np.asarray(seq_ids, dtype=np.int64), new_token_ids=flat,
             new_lengths=lengths, num_accepted=np.asarray(num_accepted, dtype=np.int64),
             num_drafts=np.asarray(num_drafts, dtype=np.int32),
+            lookahead=np.asarray(num_drafts if lookahead is None else lookahead, dtype=np.int32),
         )
 
     @property

@@ -162,8 +162,9 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
 def _serve(conn, engine: DraftEngine, planner: FanOutPlanner, msg, last_plan) -> None:
     start = time.perf_counter()
     rows = [
-        SpeculateRow(int(seq_id), new.tolist(), int(k), int(n))
-        for seq_id, new, k, n in zip(msg.seq_ids, msg.new_token_lists(), msg.num_accepted, msg.num_drafts)
+        SpeculateRow(int(seq_id), new.tolist(), int(k), int(n), int(depth))
+        for seq_id, new, k, n, depth in zip(msg.seq_ids, msg.new_token_lists(), msg.num_accepted, msg.num_drafts,
+                                            msg.lookahead)
     ]
     fallback = RANDOM if msg.fallback == wire.FallbackKind.RANDOM else JIT
     results = engine.speculate(rows, fallback)
