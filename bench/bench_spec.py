@@ -26,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ssd.dtypes import DTYPE_NAMES, resolve_dtype  # noqa: E402
+from ssd.dtypes import AUTO_DTYPE_HELP, DTYPE_NAMES, resolve_dtype  # noqa: E402
 
 from common import (  # noqa: E402
     EngineRunner,
@@ -86,8 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"subset of {','.join(LAYOUTS)}")
     p.add_argument("--repeats", type=int, default=2, help="interleaved repeats of every configuration")
     p.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
-                   help="dtype of target and draft; auto: bfloat16 on CPUs with native bf16, else float32 "
-                        "(float32 also makes greedy output independent of batch shape)")
+                   help=f"dtype of target and draft; {AUTO_DTYPE_HELP} (float32 also makes greedy output "
+                        "independent of batch shape)")
     add_weight_format_args(p)
     p.add_argument("--kv-cache-memory", default="256MiB", help="KV cache budget of the target")
     p.add_argument("--max-model-len", type=int, default=2048, help="max_model_len of the engines")

@@ -118,7 +118,7 @@ class EngineConfig:
 
     model: str
     tokenizer: str | None = None
-    dtype: str = "auto"  # bfloat16 where the device has native bf16, else float32 (CPU) / float16 (CUDA)
+    dtype: str = "auto"  # see ssd.dtypes.resolve_dtype: float32 (+ packed fp16 weights) on CPU, bf16 on CUDA
     # "auto": float16 weights packed for FBGEMM where dtype "auto" resolved to float32 on CPU (an explicit
     # dtype="float32" keeps float32 weights); "dense" or "fp16-packed" to choose (ssd/models/packed_fp16.py)
     weight_format: str = AUTO

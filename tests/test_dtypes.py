@@ -1,4 +1,5 @@
-"""``dtype="auto"``: bfloat16 only where the hardware computes it natively; explicit dtypes pass through."""
+"""``dtype="auto"``: float32 with packed float16 weights on a CPU with FBGEMM, else bfloat16 only where the
+hardware computes it natively; explicit dtypes pass through."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import pytest
 
 from ssd import dtypes
 from ssd.config import EngineConfig
+from ssd.models import packed_fp16
 
 
 @pytest.fixture
 def cpu_flags(monkeypatch):
-    def use(*flags: str) -> None:
+    def use(*flags: str, fbgemm: bool = False) -> None:
         monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset(flags))
+        monkeypatch.setattr(packed_fp16, "fbgemm_available", lambda: fbgemm)
 
     return use
 
@@ -22,9 +25,16 @@ def cpu_flags(monkeypatch):
     ("flags", "expected"),
     [(("avx2", "fma"), "float32"), (("avx512f", "avx512_bf16"), "bfloat16"), (("amx_bf16", "amx_tile"), "bfloat16")],
 )
-def test_auto_on_cpu_follows_native_bf16(cpu_flags, flags, expected) -> None:
+def test_auto_on_cpu_without_fbgemm_follows_native_bf16(cpu_flags, flags, expected) -> None:
     cpu_flags(*flags)
     assert dtypes.resolve_dtype("auto", "cpu") == expected
+
+
+@pytest.mark.parametrize("flags", [("avx2", "fma"), ("avx512f", "avx512_bf16"), ("amx_bf16", "amx_tile")])
+def test_auto_on_cpu_with_fbgemm_is_float32_with_packed_weights(cpu_flags, flags) -> None:
+    cpu_flags(*flags, fbgemm=True)
+    assert dtypes.resolve_dtype("auto", "cpu") == "float32"
+    assert EngineConfig(model="m").weight_format == "fp16-packed"
 
 
 def test_explicit_dtypes_pass_through_and_unknown_ones_are_refused(cpu_flags) -> None:

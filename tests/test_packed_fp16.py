@@ -56,7 +56,7 @@ def test_resolution_of_formats():
 
 def test_engine_config_defaults_and_validation():
     auto = EngineConfig(model="t", dtype="auto", speculative_config={"model": "d"})
-    if auto.dtype == "float32":  # a CPU without native bfloat16: the fast reduced precision is float16 weights
+    if auto.dtype == "float32":  # a CPU with FBGEMM: the fast reduced precision is float16 weights
         assert auto.weight_format == "fp16-packed"
     else:
         assert auto.weight_format == "dense"

@@ -6,7 +6,7 @@ import argparse
 import logging
 from typing import Any
 
-from ssd.dtypes import DTYPE_NAMES
+from ssd.dtypes import AUTO_DTYPE_HELP, DTYPE_NAMES
 from ssd.models.packed_fp16 import WEIGHT_FORMATS
 from ssd.sampling_params import SamplingParams
 from ssd.spec.ssd.fallback_policy import FILLER_PADDINGS
@@ -22,8 +22,7 @@ def _fan_out(value: str) -> int | list[int] | str:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="target checkpoint folder (default: the fetched SmolLM2-135M)")
-    g.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
-                   help="auto: bfloat16 where the device computes it natively, else float32 on CPU, float16 on CUDA")
+    g.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES), help=AUTO_DTYPE_HELP)
     g.add_argument("--weight-format", default="auto", choices=list(WEIGHT_FORMATS),
                    help="fp16-packed: float16 weights in FBGEMM's packed GEMM (CPU, float32); auto (default): "
                         "that where --dtype auto chose float32, else dense")
