@@ -93,8 +93,10 @@ class MergedLinear(nn.Linear):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """Inverse RoPE frequencies in float32, with Llama 3.1 scaling when configured. Returns ``[head_dim/2]``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # [D/2]
+    """Inverse RoPE frequencies in float32 on the CPU (also inside a meta-device build, whose Python reference
+    ops would import PyTorch's compiler stack), with Llama 3.1 scaling when configured. Returns ``[head_dim/2]``."""
+    positions = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu")  # [D/2]
+    inv_freq = 1.0 / (theta ** (positions / head_dim))  # [D/2]
     if scaling is None:
         return inv_freq
     # Llama 3.1: keep high frequencies, divide low frequencies by `factor`, interpolate smoothly between.

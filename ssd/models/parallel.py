@@ -133,6 +133,11 @@ class VocabParallelEmbedding(nn.Embedding):
         self.full_vocab_size = vocab_size
         self.tp = tp
 
+    def reset_parameters(self) -> None:
+        """No random initialisation: models are built on the meta device and every weight is then loaded (or
+        filled by the caller). ``nn.Embedding``'s ``normal_`` on a meta tensor would also import PyTorch's
+        compiler stack, ~1.4 s of start-up."""
+
     def checkpoint_slice(self, param_name: str) -> SourceSlice | None:
         if self.tp is None:
             return None
