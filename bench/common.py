@@ -397,6 +397,8 @@ SPEC_COUNTERS = (
     "rounds_on_hit",
     "rounds_on_miss",
     "draft_build_branches",
+    "draft_builds",
+    "draft_builds_cut_short",
 )
 
 

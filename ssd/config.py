@@ -63,6 +63,9 @@ class SpeculativeConfig:
     # (none on CPU, repeat on CUDA), see ssd/spec/ssd/fallback_policy.py
     filler_padding: str = "auto"
     saguaro_c: float = 1.0
+    # The draft stops building its speculation cache when the target's next request arrives; every branch
+    # keeps the tokens drafted so far (ssd/spec/ssd/draft_engine.py). False: builds always reach K.
+    interruptible_build: bool = True
     draft_device: str | None = None
     draft_threads: int | None = None
     draft_timeout_s: float = 60.0
@@ -97,6 +100,8 @@ class SpeculativeConfig:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
         if self.filler_padding not in FILLER_PADDINGS:
             raise ValueError(f"filler_padding must be one of {FILLER_PADDINGS}, got {self.filler_padding!r}")
+        if not isinstance(self.interruptible_build, bool):
+            raise ValueError(f"interruptible_build must be True or False, got {self.interruptible_build!r}")
         if not (0.0 < float(self.saguaro_c) <= 1.0):
             raise ValueError(f"saguaro_c must be in (0, 1], got {self.saguaro_c!r}")
         if self.draft_timeout_s <= 0:

@@ -99,6 +99,8 @@ class LLMEngine:
         if build_time is not None:
             self.stats.draft_build_time_s = build_time
             self.stats.draft_build_branches = self.proposer.draft_build_branches
+            self.stats.draft_builds = self.proposer.draft_builds
+            self.stats.draft_builds_cut_short = self.proposer.draft_builds_cut_short
         return self.stats
 
     # ---------------------------------------------------------------- requests

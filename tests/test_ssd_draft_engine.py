@@ -152,8 +152,7 @@ class Harness:
             new = [token] if k < 0 else track.spec[:k] + [token]
             state = self.engine.states[seq_id]
             cached[seq_id] = state.cache.get((k, token)) if k >= 0 else None
-            # a speculation cached after a shorter round cannot serve a longer one
-            expected_hit[seq_id] = cached[seq_id] is not None and len(cached[seq_id].tokens) >= num_drafts
+            expected_hit[seq_id] = cached[seq_id] is not None  # served as it is, even if shorter than asked
             rows.append(SpeculateRow(seq_id, new, k, num_drafts))
             track.text = track.text + new
         results = self.engine.speculate(rows, fallback)
@@ -162,7 +161,10 @@ class Harness:
             track = self.tracks[row.seq_id]
             assert result.hit == expected_hit[row.seq_id], f"seq {row.seq_id}"
             unpadded = result.fallback == "random" and not self.engine.pad_filler
-            assert len(result.tokens) == (0 if unpadded else num_drafts)
+            if result.hit:
+                assert len(result.tokens) == min(num_drafts, len(cached[row.seq_id].tokens))
+            else:
+                assert len(result.tokens) == (0 if unpadded else num_drafts)
             if result.hit:
                 assert result.fallback is None
                 assert result.tokens == cached[row.seq_id].tokens[:num_drafts]
@@ -208,9 +210,10 @@ class Harness:
             torch.testing.assert_close(probs[j], expected, atol=ATOL, rtol=0)
             assert probs[j, token] > 0
 
-    def build(self, fan_outs: dict[int, list[int]]) -> None:
-        """Build the cache, then check the keys (fork) and every branch (tree decode) against references."""
-        self.engine.build_cache(fan_outs)
+    def build(self, fan_outs: dict[int, list[int]], should_stop=None, depth: int | None = None) -> None:
+        """Build the cache, then check the keys (fork) and every branch (tree decode) against references;
+        ``depth``: the tokens per branch of a build that ``should_stop`` cuts short."""
+        self.engine.build_cache(fan_outs, should_stop)
         for seq_id, fan_out in fan_outs.items():
             track = self.tracks[seq_id]
             track.fan_out = list(fan_out)
@@ -218,7 +221,7 @@ class Harness:
             assert set(cache) == self.expected_keys(track), f"seq {seq_id}"
             for (k, c), entry in cache.items():
                 prefix = track.text + track.spec[:k] + [c]
-                self._check_branch(track, prefix, entry, track.lookahead)
+                self._check_branch(track, prefix, entry, track.lookahead if depth is None else depth)
 
     def expected_keys(self, track: Track) -> set[tuple[int, int]]:
         """C_k: the F_k likeliest draft tokens after e_1..e_k, without the draft e_{k+1} for k < n."""
@@ -279,7 +282,7 @@ FAN_OUTS = [[2, 2, 2, 2], [3, 1, 0, 2], [1, 2, 1, 1]]
 def _scripted_rounds(h: Harness, seq_ids: list[int]) -> None:
     """Rounds: first (jit), hits at k = 0 / bonus / middle, misses served by jit and by the filler, a round
     after the filler (whose glue holds no valid drafts), short rounds (2 drafts of K), and a round whose
-    lookahead grows back to K (the shorter cached speculations must not serve it)."""
+    lookahead grows back to K (the shorter cached speculations serve it as they are)."""
     a, b, c = seq_ids
     first = {s: (-1, 100 + s) for s in seq_ids}
     h.serve(first, "jit")
@@ -304,13 +307,13 @@ def _scripted_rounds(h: Harness, seq_ids: list[int]) -> None:
     results = h.serve({a: h.key_at(a, 2), b: h.key_at(b, 0), c: h.key_at(c, 1)}, "jit", num_drafts=2)
     assert all(results[s].hit for s in seq_ids)
 
-    # the lookahead grows back to K: keys cached for 2-draft speculations are drafted afresh
+    # the lookahead grows back to K: keys cached for 2-draft speculations serve their 2 tokens
     h.build({s: f for s, f in zip(seq_ids, FAN_OUTS)})
     results = h.serve({a: h.key_at(a, 0), b: h.key_at(b, 1), c: h.key_at(c, 1)}, "jit")
-    assert not any(results[s].hit for s in seq_ids)
-    h.build({s: f for s, f in zip(seq_ids, FAN_OUTS)})
-    results = h.serve({a: h.key_at(a, 3), b: h.key_at(b, 1), c: h.key_at(c, 0)}, "random")
-    assert all(results[s].hit for s in seq_ids)
+    assert all(results[s].hit and len(results[s].tokens) == 2 for s in seq_ids)
+    h.build({s: f for s, f in zip(seq_ids, FAN_OUTS)})  # K deep again
+    results = h.serve({a: h.key_at(a, 2), b: h.key_at(b, 1), c: h.key_at(c, 0)}, "random")
+    assert all(results[s].hit and len(results[s].tokens) == K for s in seq_ids)
 
 
 @pytest.mark.parametrize("pad_filler", [False, True])
@@ -340,6 +343,30 @@ def test_mixed_greedy_and_sampled_batch(draft_path):
     tracks = [Track(30 + i, p, params) for i, (p, params) in enumerate(zip(_prompts(), [GREEDY, SAMPLED[0], GREEDY]))]
     h.prefill(tracks)
     _scripted_rounds(h, [t.seq_id for t in tracks])
+    h.release_all()
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_a_build_cut_short_keeps_the_tokens_drafted_so_far(draft_path, steps):
+    """When the next request arrives mid-build (``should_stop`` says yes after `steps` tree steps), every
+    branch keeps its first `steps` tokens, exactly as a full build would have drafted them, and a lookup
+    serves them as a (shorter) hit."""
+    h = Harness(make_engine(draft_path))
+    tracks = [Track(40 + i, p, params) for i, (p, params) in enumerate(zip(_prompts(), [GREEDY, SAMPLED[0]]))]
+    h.prefill(tracks)
+    h.serve({t.seq_id: (-1, 42 + i) for i, t in enumerate(tracks)}, "jit")
+    asked = []
+
+    def should_stop() -> bool:
+        asked.append(True)
+        return len(asked) >= steps
+
+    h.build({t.seq_id: [2] * (K + 1) for t in tracks}, should_stop, depth=steps)
+    assert len(asked) == steps and h.engine.last_build.depth == steps and h.engine.last_build.cut_short
+    results = h.serve({t.seq_id: h.key_at(t.seq_id, 1) for t in tracks}, "jit")
+    assert all(r.hit and len(r.tokens) == steps for r in results.values())
+    h.build({t.seq_id: [2] * (K + 1) for t in tracks}, lambda: False)  # never asked to stop: full depth
+    assert h.engine.last_build.depth == K and not h.engine.last_build.cut_short
     h.release_all()
 
 

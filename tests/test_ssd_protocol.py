@@ -62,6 +62,7 @@ def _speculation(B=3, K=4, V=11, rows=(2, 0), seed=0) -> SpeculationMsg:
         probs=probs,
         cache_build_s=0.0123,
         cache_branches=37,
+        cache_cut_short=1,
         serve_s=1e-4,
     )
 
@@ -115,7 +116,7 @@ def test_speculation_round_trip_with_some_prob_rows():
     assert isinstance(out, SpeculationMsg)
     _assert_arrays_equal(msg, out, SpeculationMsg.ARRAYS)
     assert out.round_id == 2**40 + 5 and out.cache_build_s == 0.0123 and out.serve_s == 1e-4
-    assert out.cache_branches == 37
+    assert out.cache_branches == 37 and out.cache_cut_short == 1
     assert out.hit.tolist() == [True, False, False]
     assert out.fallback.tolist() == [FallbackKind.NONE, FallbackKind.JIT, FallbackKind.RANDOM]
     assert out.num_drafts.tolist() == [4, 4, 4]  # none given: every row holds K drafts
@@ -151,6 +152,13 @@ def test_speculation_rows_may_hold_fewer_drafts():
         bad.num_drafts = np.array(counts, np.int32)
         with pytest.raises(ProtocolError, match=match):
             decode_message(bad.pack())
+
+
+def test_cut_short_flag_is_zero_or_one():
+    bad = _speculation()
+    bad.cache_cut_short = 2
+    with pytest.raises(ProtocolError, match="cache_cut_short must be 0 or 1"):
+        decode_message(bad.pack())
 
 
 def test_speculation_all_rows_and_scatter_helper():

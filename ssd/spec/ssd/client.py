@@ -44,6 +44,8 @@ class SSDProposer:
         self.K = config.num_speculative_tokens
         self.draft_build_time_s = 0.0  # total time the worker spent building speculation caches
         self.draft_build_branches = 0  # tree branches of those builds
+        self.draft_builds = 0  # cache builds with at least one branch
+        self.draft_builds_cut_short = 0  # of those, builds stopped early because the next request was waiting
         self.available = True
         self.failure: str | None = None
         self._told: dict[int, int] = {}  # seq_id -> tokens the worker has been sent
@@ -158,6 +160,8 @@ class SSDProposer:
     def _account(self, proposal: Proposal, reply) -> None:
         self.draft_build_time_s += reply.cache_build_s
         self.draft_build_branches += reply.cache_branches
+        self.draft_builds += int(reply.cache_branches > 0)
+        self.draft_builds_cut_short += reply.cache_cut_short
 
     def _empty(self, requests: list[ProposalRequest]) -> Proposal:
         b = len(requests)

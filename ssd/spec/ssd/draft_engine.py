@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -117,8 +118,8 @@ class DraftEngine:
         for i, row in enumerate(rows):
             state = self.states[row.seq_id]
             hit = self._commit(state, row)
-            if hit is not None and len(hit.tokens) < row.num_drafts:
-                hit = None  # built after a shorter speculation and the lookahead grew back: draft afresh
+            # A hit may hold fewer than num_drafts tokens (a build cut short when the next request arrived, or
+            # one built for a shorter round): served as it is, it costs nothing and may still be accepted.
             if hit is not None:
                 probs = None if hit.probs is None else hit.probs[: row.num_drafts]
                 n = row.num_drafts
@@ -202,8 +203,12 @@ class DraftEngine:
 
     # ------------------------------------------------------------------ cache building
     @torch.inference_mode()
-    def build_cache(self, fan_outs: dict[int, list[int]]) -> BuildStats:
-        """Glue, fork and tree-decode the speculations just returned, with F_0..F_K per sequence."""
+    def build_cache(self, fan_outs: dict[int, list[int]], should_stop: Callable[[], bool] | None = None) -> BuildStats:
+        """Glue, fork and tree-decode the speculations just returned, with F_0..F_K per sequence.
+
+        ``should_stop`` is asked after each tree step from the first on: when it says yes (the next request
+        is already waiting), the build ends there and every branch keeps the tokens drafted so far, so the
+        draft never holds up the target for the deeper, less likely accepted tokens."""
         start = time.perf_counter()
         states = []
         for seq_id, fan_out in fan_outs.items():
@@ -217,8 +222,9 @@ class DraftEngine:
         glue_logits = self._glue(states)
         branches = [self._fork(state, logits) for state, logits in zip(states, glue_logits)]
         num_branches = sum(len(b) for b in branches)
-        self._tree_decode(states, branches)
-        self.last_build = BuildStats(time.perf_counter() - start, num_branches)
+        depth = self._tree_decode(states, branches, should_stop)
+        self.last_build = BuildStats(time.perf_counter() - start, num_branches, depth,
+                                     depth < max(s.lookahead for s in states))
         return self.last_build
 
     def _glue(self, states: list[DraftSeqState]) -> list[torch.Tensor]:
@@ -262,10 +268,14 @@ class DraftEngine:
             branches.extend((k, c) for c in ranked[:f])
         return branches
 
-    def _tree_decode(self, states: list[DraftSeqState], branches: list[list[tuple[int, int]]]) -> None:
+    def _tree_decode(self, states: list[DraftSeqState], branches: list[list[tuple[int, int]]],
+                     should_stop: Callable[[], bool] | None = None) -> int:
+        """Decode every branch up to its sequence's lookahead (fewer when ``should_stop`` ends the build
+        early); returns the number of tree steps run."""
         K = [s.lookahead for s in states]  # tokens per branch
         L = [len(s.speculation) - 1 for s in states]  # drafts in the glue
         depth = max(K)
+        steps = 0
         current = [[c for _, c in b] for b in branches]  # tokens to run at this depth, per branch
         sampled: list[list[list[int]]] = [[[] for _ in b] for b in branches]
         copied: list[list[list[bool]]] = [[[] for _ in b] for b in branches]
@@ -302,10 +312,14 @@ class DraftEngine:
                         probs_kept[i][b].append(probs[offset + b])
                 current[i] = tokens[offset : offset + m]
                 offset += m
+            steps = j + 1
+            if should_stop is not None and steps < depth and should_stop():
+                break
         for i, state in enumerate(states):
             for b, (k, c) in enumerate(branches[i]):
                 kept = torch.stack(probs_kept[i][b]) if probs_kept[i][b] else None
                 state.cache[(k, c)] = CachedSpeculation(sampled[i][b], kept, copied[i][b])
+        return steps
 
     def _tree_item(self, state: DraftSeqState, branch: list[tuple[int, int]], tokens: list[int], j: int,
                    num_glued: int):

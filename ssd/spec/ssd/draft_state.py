@@ -63,6 +63,8 @@ class SpeculationResult:
 class BuildStats:
     seconds: float = 0.0
     num_branches: int = 0
+    depth: int = 0  # tree steps run: tokens per branch (the longest lookahead unless cut short)
+    cut_short: bool = False  # the next request arrived first and the build stopped before its full depth
 
 
 def drafts_before(state: DraftSeqState, k: int, token: int) -> list[int]:

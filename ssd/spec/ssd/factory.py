@@ -43,6 +43,7 @@ def build_ssd_proposer(engine: "LLMEngine") -> SSDProposer:
         fan_out_miss=spec.fan_out_miss,
         fan_out_budget=spec.fan_out_budget,
         saguaro_c=spec.saguaro_c,
+        interruptible_build=spec.interruptible_build,
         lookup=spec.lookup,
         pad_filler=resolve_filler_padding(spec.filler_padding, cfg.device),
         seed=cfg.seed,

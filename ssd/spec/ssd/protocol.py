@@ -264,6 +264,7 @@ class SpeculationMsg(WireMessage):
     num_drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     cache_build_s: float = 0.0  # how long the worker's last cache build took
     cache_branches: int = 0  # tree branches of that build, all sequences together
+    cache_cut_short: int = 0  # 1 when that build stopped early because this request was already waiting
     serve_s: float = 0.0  # time the worker spent serving this request
 
     def _validate(self) -> None:
@@ -271,6 +272,9 @@ class SpeculationMsg(WireMessage):
         self.round_id = check_int(owner, "round_id", self.round_id)
         self.cache_build_s = check_float(owner, "cache_build_s", self.cache_build_s)
         self.cache_branches = check_int(owner, "cache_branches", self.cache_branches)
+        self.cache_cut_short = check_int(owner, "cache_cut_short", self.cache_cut_short)
+        if self.cache_cut_short not in (0, 1):
+            raise ProtocolError(f"{owner}.cache_cut_short must be 0 or 1, got {self.cache_cut_short}")
         self.serve_s = check_float(owner, "serve_s", self.serve_s)
         B, K = self.draft_tokens.shape
         check_rows(owner, B, self, ("hit", "fallback"))

@@ -56,6 +56,7 @@ class WorkerConfig:
     lookup: LookupConfig = field(default_factory=LookupConfig)  # prompt lookup in drafts and fillers
     pad_filler: bool = False  # random fillers repeat the pending token up to K drafts (resolve_filler_padding)
     weight_format: str = DENSE  # resolved by EngineConfig: DENSE or FP16_PACKED (ssd/models/packed_fp16.py)
+    interruptible_build: bool = True  # a waiting request ends a cache build early (SpeculativeConfig)
 
 
 def _pin(config: WorkerConfig) -> None:
@@ -147,7 +148,7 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
                     engine.release(seq_id)
                     last_plan.pop(seq_id, None)
             elif isinstance(msg, wire.SpeculateMsg):
-                _serve(conn, engine, planner, msg, last_plan)
+                _serve(conn, engine, planner, msg, last_plan, config.interruptible_build)
                 built_at = time.perf_counter()
     except (EOFError, OSError):
         logger.warning("target side closed the connection; draft worker exiting")
@@ -159,7 +160,7 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
             pass
 
 
-def _serve(conn, engine: DraftEngine, planner: FanOutPlanner, msg, last_plan) -> None:
+def _serve(conn, engine: DraftEngine, planner: FanOutPlanner, msg, last_plan, interruptible: bool) -> None:
     start = time.perf_counter()
     rows = [
         SpeculateRow(int(seq_id), new.tolist(), int(k), int(n), int(depth))
@@ -181,7 +182,8 @@ def _serve(conn, engine: DraftEngine, planner: FanOutPlanner, msg, last_plan) ->
             planner.observe(built_after_hit, row.num_accepted, num_drafts, result.hit, f)
         fan_outs[row.seq_id] = fold_fan_out(planner.current(result.hit), len(result.tokens))
         last_plan[row.seq_id] = (result.hit, len(result.tokens), fan_outs[row.seq_id])
-    engine.build_cache(fan_outs)
+    # With interruptible builds, a waiting message (the next request, usually) ends the build early.
+    engine.build_cache(fan_outs, should_stop=conn.poll if interruptible else None)
 
 
 def speculation_message(
@@ -209,6 +211,7 @@ def speculation_message(
         num_drafts=np.array([len(r.tokens) for r in results], dtype=np.int32),
         cache_build_s=build.seconds,
         cache_branches=build.num_branches,
+        cache_cut_short=int(build.cut_short),
         serve_s=serve_s,
     )
 
