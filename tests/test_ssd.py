@@ -432,3 +432,20 @@ def test_hung_draft_worker_times_out(models):
         assert "did not answer" in proposer.failure
         assert any(o.speculation.startswith("disabled") for o in outputs)
         _no_children_after_shutdown(llm, pid)
+
+
+def test_interruptible_build_option_and_flag():
+    import argparse
+
+    from ssd.cli.common import add_engine_args, engine_kwargs
+    from ssd.config import SpeculativeConfig
+
+    assert SpeculativeConfig(method="ssd", model="d").interruptible_build is True
+    with pytest.raises(ValueError, match="interruptible_build must be True or False"):
+        SpeculativeConfig(method="ssd", model="d", interruptible_build="no")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    spec = engine_kwargs(parser.parse_args(["--model", "t", "--draft", "d", "--full-builds"]))["speculative_config"]
+    assert spec["interruptible_build"] is False
+    spec = engine_kwargs(parser.parse_args(["--model", "t", "--draft", "d"]))["speculative_config"]
+    assert spec["interruptible_build"] is True

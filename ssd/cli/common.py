@@ -57,6 +57,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--filler-padding", default="auto", choices=list(FILLER_PADDINGS),
                    help="random fillers past prompt lookup's copies (default auto: none on CPU, repeat on CUDA)")
     s.add_argument("--saguaro-c", type=float, default=1.0)
+    s.add_argument("--full-builds", action="store_true",
+                   help="SSD: always build the speculation cache K deep (default: stop when the next request arrives)")
     s.add_argument("--draft-device", default=None)
     s.add_argument("--draft-threads", type=int, default=None)
     p = parser.add_argument_group("sampling")
@@ -104,6 +106,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 fallback=args.fallback,
                 filler_padding=args.filler_padding,
                 saguaro_c=args.saguaro_c,
+                interruptible_build=not args.full_builds,
                 draft_device=args.draft_device,
                 draft_threads=args.draft_threads,
             )
