@@ -12,7 +12,9 @@ After returning the speculation [t_n, e_1..e_K] for a round, :meth:`DraftEngine.
    all sequences advance together, one batched forward per depth, with a tree mask. Branch K/V lives in
    scratch slots after the glue region of the block table (depth-major: depth j, branch b at
    ``n + L + j * M + b`` for a speculation of L <= K drafts), and RoPE uses the logical positions;
-4. stores (k, c) -> (K tokens, the distributions they were drawn from).
+4. stores (k, c) -> (K tokens, the distributions they were drawn from). With an interruptible build (the
+   worker's default) a request that arrives mid-build ends it after the current depth: every branch keeps
+   the tokens drafted so far, and a hit on a shorter entry is served as it is.
 
 When the outcome (k, t*) of verifying that speculation arrives, (k, t*) is looked up; a miss is served by the
 fallback: ``jit`` drafts K tokens sequentially now, ``random`` returns a filler with an explicit one-hot q
