@@ -46,6 +46,10 @@ class SpeculativeConfig:
     # choose each step's K in 0..num_speculative_tokens from the measured acceptance per depth and the
     # measured step time per batch size (ssd/spec/lookahead.py); SSD still builds its cache for the full K
     adaptive_lookahead: bool = False
+    # The step that finishes a prompt also verifies a speculation (up to K + 1 first tokens at once). False:
+    # it emits its one token without waiting for the draft's prefill and drafts (a shorter time to first token;
+    # SSD's worker then prefills while the target does), and speculation starts with the next step.
+    prompt_step_speculation: bool = True
     draft_dtype: str | None = None  # default: the target's dtype; "auto" resolves for the draft's device
     # "auto": float16 weights packed for FBGEMM where the draft runs on CPU in float32 (ssd/models/packed_fp16.py)
     draft_weight_format: str = AUTO
@@ -91,6 +95,8 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
         if not isinstance(self.adaptive_lookahead, bool):
             raise ValueError(f"adaptive_lookahead must be True or False, got {self.adaptive_lookahead!r}")
+        if not isinstance(self.prompt_step_speculation, bool):
+            raise ValueError(f"prompt_step_speculation must be True or False, got {self.prompt_step_speculation!r}")
         if self.fan_out_budget is not None:
             check_budget(self.fan_out_budget, "fan_out_budget")
             if not any(is_auto_spec(f) for f in (self.fan_out, self.fan_out_miss)):

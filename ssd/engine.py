@@ -224,6 +224,8 @@ class LLMEngine:
         """Draft tokens a decoding sequence gets this round (0 = plain decoding)."""
         if self.spec is None or not self._speculates(self.requests[seq.seq_id]):
             return 0
+        if seq.num_output_tokens == 0 and not self.spec.prompt_step_speculation:
+            return 0  # the prompt's step emits its first token without waiting for the draft
         # A round emits up to K + 1 tokens (the bonus takes the last place), under both length limits.
         remaining_len = self.max_model_len - seq.num_tokens - 1
         remaining_out = seq.sampling_params.max_tokens - seq.num_output_tokens - 1

@@ -82,13 +82,15 @@ def models(checkpoint_factory, tmp_path_factory):
 
 
 def make_llm(model: str, draft: str | None = None, k: int = 3, prompt_lookup: bool = True,
-             draft_weight_format: str = "auto", adaptive_lookahead: bool = False, **kwargs) -> LLM:
+             draft_weight_format: str = "auto", adaptive_lookahead: bool = False,
+             prompt_step_speculation: bool = True, **kwargs) -> LLM:
     options = dict(dtype="float32", kv_cache_memory="16MiB", max_model_len=MAX_LEN, block_size=BLOCK, seed=0)
     options.update(kwargs)
     if draft is not None:
         options["speculative_config"] = {"method": "draft_model", "model": draft, "num_speculative_tokens": k,
                                          "prompt_lookup": prompt_lookup, "draft_weight_format": draft_weight_format,
-                                         "adaptive_lookahead": adaptive_lookahead}
+                                         "adaptive_lookahead": adaptive_lookahead,
+                                         "prompt_step_speculation": prompt_step_speculation}
     return LLM(model, **options)
 
 
@@ -187,14 +189,15 @@ def test_greedy_sd_equals_ar_for_each_batch_size(models, ar_greedy, batch_size):
     assert_all_released(llm)
 
 
-def expected_self_draft_rounds(num_prompt: int, max_tokens: int, k: int) -> list[int]:
+def expected_self_draft_rounds(num_prompt: int, max_tokens: int, k: int, prompt_step: bool = True) -> list[int]:
     """Draft counts of the rounds of a request whose every draft is accepted.
 
     A decoding step speculates min(K, tokens still allowed - 1) drafts, where the tokens still allowed are
     bounded by max_tokens and max_model_len (the bonus token takes the last place). A round accepting all j
-    drafts emits j + 1 tokens; when exactly one token is left the step is plain decoding (no round).
+    drafts emits j + 1 tokens; when exactly one token is left the step is plain decoding (no round). Without
+    ``prompt_step`` speculation the prompt's step emits the first token alone.
     """
-    rounds, num_out = [], 0
+    rounds, num_out = [], 0 if prompt_step else 1
     while num_out < max_tokens and num_prompt + num_out < MAX_LEN:
         left = min(max_tokens - num_out, MAX_LEN - num_prompt - num_out)
         j = min(k, left - 1)
@@ -233,6 +236,23 @@ def test_self_draft_accepts_every_draft(models, ar_greedy, k):
             elapsed = out.metrics.finished_time - out.metrics.first_token_time
             assert out.metrics.decode_tokens_per_s == pytest.approx(later / elapsed)
     assert llm.stats.acceptance_rate == 1.0
+    assert_stats_consistent(llm, outputs)
+
+
+def test_without_prompt_step_speculation_the_first_token_comes_alone(models, ar_greedy):
+    """prompt_step_speculation=False: the prompt's step emits exactly its one token (no draft prefill or
+    drafts before it), speculation starts with the next step, and the tokens still equal AR (draft ==
+    target: every later round is fully accepted, so the rounds are known exactly)."""
+    target = models("target")
+    llm = make_llm(target, target, k=3, max_num_seqs=8, prompt_lookup=False, draft_weight_format="dense",
+                   prompt_step_speculation=False)
+    outputs = llm.generate(GREEDY_PROMPTS, GREEDY_PARAMS)
+    _check_greedy(outputs, ar_greedy, range(8))
+    for prompt, params, out in zip(GREEDY_PROMPTS, GREEDY_PARAMS, outputs):
+        rounds = expected_self_draft_rounds(len(prompt), params.max_tokens, 3, prompt_step=False)
+        assert out.metrics.num_first_step_tokens == 1
+        assert out.spec_stats.num_drafts == len(rounds)
+        assert out.spec_stats.num_draft_tokens == out.spec_stats.num_accepted_tokens == sum(rounds)
     assert_stats_consistent(llm, outputs)
 
 

@@ -125,6 +125,8 @@ GREEDY_CONFIGS = {
     "K3-fanout2-jit-no-lookup": dict(num_speculative_tokens=3, fan_out=2, fallback="jit", prompt_lookup=False),
     "K3-fanout2-random-no-lookup": dict(num_speculative_tokens=3, fan_out=2, fallback="random", prompt_lookup=False),
     "K4-auto-auto-adaptive": dict(num_speculative_tokens=4, fan_out="auto", fallback="auto", adaptive_lookahead=True),
+    "K3-auto-random-no-prompt-step": dict(num_speculative_tokens=3, fan_out="auto", fallback="random",
+                                          prompt_step_speculation=False),
 }
 ALLOWED_FALLBACKS = {"jit": {"jit"}, "random": {"random"}, "auto": {"jit", "random"}}
 
@@ -448,4 +450,8 @@ def test_interruptible_build_option_and_flag():
     spec = engine_kwargs(parser.parse_args(["--model", "t", "--draft", "d", "--full-builds"]))["speculative_config"]
     assert spec["interruptible_build"] is False
     spec = engine_kwargs(parser.parse_args(["--model", "t", "--draft", "d"]))["speculative_config"]
-    assert spec["interruptible_build"] is True
+    assert spec["interruptible_build"] is True and spec["prompt_step_speculation"] is True
+    spec = engine_kwargs(parser.parse_args(["--model", "t", "--draft", "d", "--no-prompt-step-speculation"]))
+    assert spec["speculative_config"]["prompt_step_speculation"] is False
+    with pytest.raises(ValueError, match="prompt_step_speculation must be True or False"):
+        SpeculativeConfig(method="ssd", model="d", prompt_step_speculation=1)
