@@ -1,4 +1,5 @@
-"""Validation helpers and the pack/unpack base class shared by the typed SSD wire messages."""
+"""Validation helpers, ragged and probability-row array helpers, and the pack/unpack base class shared by the
+typed SSD wire messages."""
 
 from __future__ import annotations
 
@@ -76,6 +77,42 @@ def split_ragged(flat: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
     if lengths.size == 0:
         return []
     return np.split(flat, np.cumsum(lengths)[:-1])
+
+
+def scatter_prob_rows(
+    prob_rows: np.ndarray,
+    probs: np.ndarray,
+    batch_size: int,
+    vocab_size: int | None = None,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """[S, K, V] probabilities of rows `prob_rows` -> [B, K, V], zeros in the other rows.
+
+    The result is a fresh array unless `out` (a C-contiguous [B, K, V] float32 array) is given to be
+    filled and returned: a caller that reuses one buffer per round avoids the page faults of allocating
+    megabytes every round (with V ~ 50k, these cost more than the copy itself).
+    """
+    S, K, V = probs.shape
+    if vocab_size is None:
+        if S == 0 and out is None:
+            raise ProtocolError("vocab_size is needed to build dense probabilities when no row carries any")
+        vocab_size = V if S else out.shape[-1]  # type: ignore[union-attr]
+    elif S and V != vocab_size:
+        raise ProtocolError(f"probabilities have vocabulary {V}, expected vocab_size={vocab_size}")
+    shape = (batch_size, K, vocab_size)
+    if out is None:
+        out = np.empty(shape, dtype=np.float32)  # [B, K, V]
+    elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ProtocolError(
+            f"out must be a C-contiguous float32 array of shape {shape}, got {out.dtype} {out.shape}"
+        )
+    has_probs = np.zeros(batch_size, dtype=bool)  # [B]
+    for s, row in enumerate(prob_rows.tolist()):  # row slices copy at memcpy speed; fancy indexing is slower
+        out[row] = probs[s]
+        has_probs[row] = True
+    for row in np.flatnonzero(~has_probs).tolist():
+        out[row] = 0.0
+    return out
 
 
 @dataclass(eq=False)
