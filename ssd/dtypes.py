@@ -43,13 +43,6 @@ def cpu_has_native_bf16() -> bool:
     return any(flag in cpu_flags() for flag in NATIVE_BF16_CPU_FLAGS)
 
 
-def cpu_has_packed_fp16_gemm() -> bool:
-    """Whether PyTorch's FBGEMM backend (and with it the packed float16-weight GEMM) is available."""
-    from ssd.models.packed_fp16 import fbgemm_available
-
-    return fbgemm_available()
-
-
 def resolve_dtype(name: str, device: str) -> str:
     """The concrete dtype name for ``name`` on ``device`` (``name`` unchanged unless it is ``auto``)."""
     if name not in DTYPE_NAMES:
@@ -60,7 +53,9 @@ def resolve_dtype(name: str, device: str) -> str:
         import torch
 
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
-    if cpu_has_packed_fp16_gemm():
+    from ssd.models.packed_fp16 import fbgemm_available  # imports torch: only when resolving for a CPU
+
+    if fbgemm_available():
         chosen = "float32"  # weights stored as packed float16 (weight_format "auto")
     else:
         chosen = "bfloat16" if cpu_has_native_bf16() else "float32"

@@ -15,7 +15,8 @@ Formats (``weight_format`` for the target, ``draft_weight_format`` for the draft
 - ``"auto"`` (both defaults): ``"fp16-packed"`` where it applies, else ``"dense"``. For the target it applies
   only when ``dtype="auto"`` chose float32 (on any CPU with FBGEMM: float16 weights in this GEMM are the
   fastest precision for few-row products there, see ``ssd/dtypes.py``, and finer than bfloat16); an explicit
-  ``dtype="float32"`` keeps float32 weights. A draft's numerics never change the output, only how often its guesses are accepted.
+  ``dtype="float32"`` keeps float32 weights. A draft's numerics never change the output, only how often its
+  guesses are accepted.
 
 All modes of an engine use the same target, so speculative outputs still equal its autoregressive ones.
 """

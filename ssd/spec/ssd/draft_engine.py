@@ -205,7 +205,9 @@ class DraftEngine:
 
     # ------------------------------------------------------------------ cache building
     @torch.inference_mode()
-    def build_cache(self, fan_outs: dict[int, list[int]], should_stop: Callable[[], bool] | None = None) -> BuildStats:
+    def build_cache(
+        self, fan_outs: dict[int, list[int]], should_stop: Callable[[], bool] | None = None
+    ) -> BuildStats:
         """Glue, fork and tree-decode the speculations just returned, with F_0..F_K per sequence.
 
         ``should_stop`` is asked after each tree step from the first on: when it says yes (the next request
