@@ -46,10 +46,10 @@ class SpeculativeConfig:
     # choose each step's K in 0..num_speculative_tokens from the measured acceptance per depth and the
     # measured step time per batch size (ssd/spec/lookahead.py); SSD still builds its cache for the full K
     adaptive_lookahead: bool = False
-    # The step that finishes a prompt also verifies a speculation (up to K + 1 first tokens at once). False:
-    # it emits its one token without waiting for the draft's prefill and drafts (a shorter time to first token;
-    # SSD's worker then prefills while the target does), and speculation starts with the next step.
-    prompt_step_speculation: bool = True
+    # False: the step that finishes a prompt emits its one token without waiting for the draft's prefill and
+    # drafts (a shorter time to first token; SSD's worker prefills while the target does), and speculation
+    # starts with the next step. True: that step also verifies a speculation (up to K + 1 first tokens at once).
+    prompt_step_speculation: bool = False
     draft_dtype: str | None = None  # default: the target's dtype; "auto" resolves for the draft's device
     # "auto": float16 weights packed for FBGEMM where the draft runs on CPU in float32 (ssd/models/packed_fp16.py)
     draft_weight_format: str = AUTO

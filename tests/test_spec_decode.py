@@ -83,14 +83,16 @@ def models(checkpoint_factory, tmp_path_factory):
 
 def make_llm(model: str, draft: str | None = None, k: int = 3, prompt_lookup: bool = True,
              draft_weight_format: str = "auto", adaptive_lookahead: bool = False,
-             prompt_step_speculation: bool = True, **kwargs) -> LLM:
+             prompt_step_speculation: bool | None = None, **kwargs) -> LLM:
+    """An engine on the test models; ``prompt_step_speculation=None`` keeps the engine's default."""
     options = dict(dtype="float32", kv_cache_memory="16MiB", max_model_len=MAX_LEN, block_size=BLOCK, seed=0)
     options.update(kwargs)
     if draft is not None:
-        options["speculative_config"] = {"method": "draft_model", "model": draft, "num_speculative_tokens": k,
-                                         "prompt_lookup": prompt_lookup, "draft_weight_format": draft_weight_format,
-                                         "adaptive_lookahead": adaptive_lookahead,
-                                         "prompt_step_speculation": prompt_step_speculation}
+        spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "prompt_lookup": prompt_lookup,
+                "draft_weight_format": draft_weight_format, "adaptive_lookahead": adaptive_lookahead}
+        if prompt_step_speculation is not None:
+            spec["prompt_step_speculation"] = prompt_step_speculation
+        options["speculative_config"] = spec
     return LLM(model, **options)
 
 
@@ -215,7 +217,8 @@ def test_self_draft_accepts_every_draft(models, ar_greedy, k):
     except for the last round) are known exactly. Prompt lookup is off: its copies are not the target's picks;
     dense draft weights: float16 ones could flip a near tie of the target's."""
     target = models("target")
-    llm = make_llm(target, target, k=k, max_num_seqs=8, prompt_lookup=False, draft_weight_format="dense")
+    llm = make_llm(target, target, k=k, max_num_seqs=8, prompt_lookup=False, draft_weight_format="dense",
+                   prompt_step_speculation=True)
     outputs = llm.generate(GREEDY_PROMPTS, GREEDY_PARAMS)
     _check_greedy(outputs, ar_greedy, range(8))
     for prompt, params, out in zip(GREEDY_PROMPTS, GREEDY_PARAMS, outputs):
@@ -375,7 +378,9 @@ class SamplingCase:
     draft: str | None  # None: plain sampling (checks the test harness itself)
     num_samples: int = 3000
     mix_greedy: bool = False
-    prompt_lookup: bool = True  # with repeating_prompt (copies are proposed), else with SAMPLE_PROMPT
+    # with repeating_prompt, and the prompt's step speculates (it copies the prompt's repeat), else with
+    # SAMPLE_PROMPT and the engine's default (speculation starts after the first token)
+    prompt_lookup: bool = True
 
 
 SAMPLING_CASES = {
@@ -429,7 +434,7 @@ def test_sampled_distribution_is_exact(models, small_hf, case_name):
     draft = models(case.draft) if case.draft is not None else None
     llm = make_llm(
         models("small_target"), draft, k=3, max_num_seqs=512, max_num_batched_tokens=8192, max_model_len=128,
-        prompt_lookup=case.prompt_lookup,
+        prompt_lookup=case.prompt_lookup, prompt_step_speculation=case.prompt_lookup,
     )
     outputs = llm.generate([prompt_ids] * len(params), params)
     assert all(len(o.token_ids) == DEPTH for o in outputs)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from ssd import LLM, SamplingParams
+from ssd.spec.ssd.fanout import fold_fan_out
 from ssd_utils import ExactJoint, chi_square_gof, exact_joint, make_corrupt_checkpoint, make_perturbed_draft
 
 BLOCK = 16
@@ -187,11 +188,12 @@ def test_greedy_equals_autoregressive(models, name):
 # draft = target, greedy: every round after the first hits and accepts everything
 
 
-def _full_acceptance_rounds(max_tokens: int, K: int) -> list[int]:
+def _full_acceptance_rounds(max_tokens: int, K: int, prompt_step: bool = False) -> list[int]:
     """Drafts per speculative round when every round accepts everything: from the prefill step on (the
-    prompt's last token is the first pending token), each round gets min(K, tokens left - 1) drafts and
+    prompt's last token is the first pending token) with ``prompt_step`` speculation, else from the step
+    after it (the prompt's step emits its one token alone), each round gets min(K, tokens left - 1) drafts and
     emits that many + 1; with none left over the step decodes plainly."""
-    rounds, produced = [], 0
+    rounds, produced = [], 0 if prompt_step else 1
     while produced < max_tokens:
         n = min(K, max_tokens - produced - 1)
         if n > 0:
@@ -200,22 +202,24 @@ def _full_acceptance_rounds(max_tokens: int, K: int) -> list[int]:
     return rounds
 
 
-def test_draft_equal_to_target_hits_every_round_and_accepts_everything(models):
+@pytest.mark.parametrize("prompt_step", [False, True], ids=["first-round-after-prompt", "prompt-step-speculates"])
+def test_draft_equal_to_target_hits_every_round_and_accepts_everything(models, prompt_step):
     """Greedy with the target as its own draft: the first speculative round of each request is a miss
     (nothing cached yet) and every later round finds its key (k = all drafts, t* = the bonus, which is the
     draft's own top candidate); every round accepts all of its drafts, so the rounds are exactly those of
     full acceptance (``_full_acceptance_rounds``), including the short last ones. Prompt lookup is off: a
     copied token would be a draft the target's own model did not choose; dense weights: the draft must be
     the target to the last bit (float16 weights could flip a near tie); builds never cut short (a hit would
-    then hold fewer than K drafts)."""
+    then hold fewer than K drafts). Whether or not the prompt's step speculates, only the first round misses."""
     K = 3
     with _ssd(models, draft=models.target, num_speculative_tokens=K, fan_out=1, fallback="jit",
-              prompt_lookup=False, draft_weight_format="dense", interruptible_build=False) as llm:
+              prompt_lookup=False, draft_weight_format="dense", interruptible_build=False,
+              prompt_step_speculation=prompt_step) as llm:
         outputs = llm.generate(PROMPTS, GREEDY)
         _assert_greedy(outputs, models, range(len(PROMPTS)))
         for out, params in zip(outputs, GREEDY):
             s = out.spec_stats
-            rounds = _full_acceptance_rounds(params.max_tokens, K)
+            rounds = _full_acceptance_rounds(params.max_tokens, K, prompt_step)
             assert s.num_drafts == len(rounds) > 1
             assert s.num_draft_tokens == s.num_accepted_tokens == sum(rounds)
             assert s.acceptance_histogram == [rounds.count(k) for k in range(K + 1)]
@@ -226,10 +230,13 @@ def test_draft_equal_to_target_hits_every_round_and_accepts_everything(models):
         total = llm.stats
         assert total.cache_hits == total.cache_lookups - len(PROMPTS)
         assert total.num_accepted_tokens == total.num_draft_tokens
-        # F = 1: a build after a speculation of n drafts has n + 1 branches (one per k). Each reply reports
-        # the build before it, so the build after the very last speculation is never counted.
-        built = sum(n + 1 for params in GREEDY for n in _full_acceptance_rounds(params.max_tokens, K))
-        assert built - (K + 1) <= total.draft_build_branches <= built
+        # F = 1: a build after a speculation of n drafts has K + 1 branches: one per k, and the K - n
+        # candidates of the unreachable k > n folded onto the bonus (``fold_fan_out``). Each reply reports the
+        # build before it, so the build after the very last speculation request is never counted; that
+        # request may hold the last round of every sequence still running (at most K + 1 branches each).
+        built = sum(sum(fold_fan_out([1] * (K + 1), n))
+                    for params in GREEDY for n in _full_acceptance_rounds(params.max_tokens, K, prompt_step))
+        assert built - len(PROMPTS) * (K + 1) <= total.draft_build_branches <= built
         _no_children_after_shutdown(llm, llm.engine.proposer.pid)
 
 
@@ -292,7 +299,8 @@ def exact_repeating(models) -> ExactJoint:
 
 
 # The first three exercise the draft model alone, the others prompt lookup too; builds are interruptible (the
-# default: hits cut short serve fewer drafts) except where the name says "full-builds".
+# default: hits cut short serve fewer drafts) except where the name says "full-builds"; the prompt's step
+# speculates only where the name says "prompt-step" (there it copies the prompt's repeat at once).
 SAMPLING_CONFIGS = {
     "saguaro1-jit-full-builds": dict(num_speculative_tokens=2, fan_out=2, fallback="jit", saguaro_c=1.0,
                                      prompt_lookup=False, interruptible_build=False),
@@ -302,7 +310,8 @@ SAMPLING_CONFIGS = {
                             prompt_lookup=False),
     "lookup-jit-full-builds": dict(num_speculative_tokens=3, fan_out=2, fallback="jit", saguaro_c=0.5,
                                    interruptible_build=False),
-    "lookup-random": dict(num_speculative_tokens=3, fan_out=[2, 1, 1, 2], fallback="random"),
+    "lookup-random-prompt-step": dict(num_speculative_tokens=3, fan_out=[2, 1, 1, 2], fallback="random",
+                                      prompt_step_speculation=True),
     "adaptive-jit": dict(num_speculative_tokens=3, fan_out=2, fallback="jit", adaptive_lookahead=True),
 }
 
@@ -450,7 +459,10 @@ def test_interruptible_build_option_and_flag():
     spec = engine_kwargs(parser.parse_args(["--model", "t", "--draft", "d", "--full-builds"]))["speculative_config"]
     assert spec["interruptible_build"] is False
     spec = engine_kwargs(parser.parse_args(["--model", "t", "--draft", "d"]))["speculative_config"]
-    assert spec["interruptible_build"] is True and spec["prompt_step_speculation"] is True
+    assert spec["interruptible_build"] is True and spec["prompt_step_speculation"] is False
+    assert spec["prompt_step_speculation"] is SpeculativeConfig(method="ssd", model="d").prompt_step_speculation
+    spec = engine_kwargs(parser.parse_args(["--model", "t", "--draft", "d", "--prompt-step-speculation"]))
+    assert spec["speculative_config"]["prompt_step_speculation"] is True
     spec = engine_kwargs(parser.parse_args(["--model", "t", "--draft", "d", "--no-prompt-step-speculation"]))
     assert spec["speculative_config"]["prompt_step_speculation"] is False
     with pytest.raises(ValueError, match="prompt_step_speculation must be True or False"):

@@ -45,8 +45,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="choose each round's K in 0..--k from measured acceptance and step times (SSD still caches K)")
     s.add_argument("--draft-weight-format", default="auto", choices=list(WEIGHT_FORMATS),
                    help="the draft's weights (default auto: fp16-packed on CPU in float32)")
-    s.add_argument("--no-prompt-step-speculation", action="store_true",
-                   help="the step that finishes a prompt emits one token without waiting for the draft (lower TTFT)")
+    s.add_argument("--prompt-step-speculation", action=argparse.BooleanOptionalAction, default=False,
+                   help="the step that finishes a prompt also verifies drafts (default: it emits its one token "
+                        "without waiting for the draft, a lower time to first token)")
     s.add_argument("--no-prompt-lookup", action="store_true",
                    help="draft with the model only (default: copy a token that followed an earlier match)")
     s.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest context match prompt lookup copies after")
@@ -97,7 +98,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             method=args.method, model=args.draft, num_speculative_tokens=args.k,
             prompt_lookup=not args.no_prompt_lookup, prompt_lookup_min=args.prompt_lookup_min,
             prompt_lookup_max=args.prompt_lookup_max, draft_weight_format=args.draft_weight_format,
-            prompt_step_speculation=not args.no_prompt_step_speculation,
+            prompt_step_speculation=args.prompt_step_speculation,
         )
         if args.adaptive_lookahead:
             spec["adaptive_lookahead"] = True
