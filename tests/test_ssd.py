@@ -185,7 +185,7 @@ def test_greedy_equals_autoregressive(models, name):
 
 
 # ------------------------------------------------------------------------------------------------
-# draft = target, greedy: every round after the first hits and accepts everything
+# draft = target, greedy: every round hits (after the first when the prompt's step speculates) and accepts everything
 
 
 def _full_acceptance_rounds(max_tokens: int, K: int, prompt_step: bool = False) -> list[int]:
@@ -204,16 +204,19 @@ def _full_acceptance_rounds(max_tokens: int, K: int, prompt_step: bool = False) 
 
 @pytest.mark.parametrize("prompt_step", [False, True], ids=["first-round-after-prompt", "prompt-step-speculates"])
 def test_draft_equal_to_target_hits_every_round_and_accepts_everything(models, prompt_step):
-    """Greedy with the target as its own draft: the first speculative round of each request is a miss
-    (nothing cached yet) and every later round finds its key (k = all drafts, t* = the bonus, which is the
-    draft's own top candidate); every round accepts all of its drafts, so the rounds are exactly those of
-    full acceptance (``_full_acceptance_rounds``), including the short last ones. Prompt lookup is off: a
-    copied token would be a draft the target's own model did not choose; dense weights: the draft must be
-    the target to the last bit (float16 weights could flip a near tie); builds never cut short (a hit would
-    then hold fewer than K drafts). Whether or not the prompt's step speculates, only the first round misses."""
+    """Greedy with the target as its own draft: every round finds its key (k = all drafts, t* = the bonus,
+    which is the draft's own top candidate) and accepts all of its drafts, so the rounds are exactly those
+    of full acceptance (``_full_acceptance_rounds``), including the short last ones. The first round has a
+    key too when the prompt's step emits its token alone (the default): the worker builds its cache while
+    the target computes the prompt (candidates for that token; the last request, which joins while the
+    others decode, gets it with their next cache build); when the prompt's step speculates,
+    that first round has nothing cached and misses. Prompt lookup is off: a copied token would be a draft the
+    target's own model did not choose; dense weights: the draft must be the target to the last bit (float16
+    weights could flip a near tie); builds never cut short (a hit would then hold fewer than K drafts)."""
     K = 3
-    with _ssd(models, draft=models.target, num_speculative_tokens=K, fan_out=1, fallback="jit",
-              prompt_lookup=False, draft_weight_format="dense", interruptible_build=False,
+    misses = 1 if prompt_step else 0  # per request
+    with _ssd(models, draft=models.target, max_num_seqs=len(PROMPTS) - 1, num_speculative_tokens=K, fan_out=1,
+              fallback="jit", prompt_lookup=False, draft_weight_format="dense", interruptible_build=False,
               prompt_step_speculation=prompt_step) as llm:
         outputs = llm.generate(PROMPTS, GREEDY)
         _assert_greedy(outputs, models, range(len(PROMPTS)))
@@ -224,18 +227,20 @@ def test_draft_equal_to_target_hits_every_round_and_accepts_everything(models, p
             assert s.num_draft_tokens == s.num_accepted_tokens == sum(rounds)
             assert s.acceptance_histogram == [rounds.count(k) for k in range(K + 1)]
             assert s.cache_lookups == s.num_drafts
-            assert s.cache_hits == s.cache_lookups - 1
-            assert s.fallbacks == {"jit": 1}
-            assert s.accepted_on_miss == rounds[0]
+            assert s.cache_hits == s.cache_lookups - misses
+            assert s.fallbacks == ({"jit": 1} if misses else {})
+            assert s.accepted_on_miss == (rounds[0] if misses else 0)
         total = llm.stats
-        assert total.cache_hits == total.cache_lookups - len(PROMPTS)
+        assert total.cache_hits == total.cache_lookups - misses * len(PROMPTS)
         assert total.num_accepted_tokens == total.num_draft_tokens
         # F = 1: a build after a speculation of n drafts has K + 1 branches: one per k, and the K - n
-        # candidates of the unreachable k > n folded onto the bonus (``fold_fan_out``). Each reply reports the
-        # build before it, so the build after the very last speculation request is never counted; that
-        # request may hold the last round of every sequence still running (at most K + 1 branches each).
-        built = sum(sum(fold_fan_out([1] * (K + 1), n))
-                    for params in GREEDY for n in _full_acceptance_rounds(params.max_tokens, K, prompt_step))
+        # candidates of the unreachable k > n folded onto the bonus (``fold_fan_out``); a first-round build
+        # after the prefill (n = 0) has all K + 1 at k = 0. Each reply reports the build before it, so the
+        # build after the very last speculation request is never counted; that request may hold the last
+        # round of every sequence still running (at most K + 1 branches each).
+        rounds = [n for params in GREEDY for n in _full_acceptance_rounds(params.max_tokens, K, prompt_step)]
+        rounds += [] if prompt_step else [0] * len(PROMPTS)
+        built = sum(sum(fold_fan_out([1] * (K + 1), n)) for n in rounds)
         assert built - len(PROMPTS) * (K + 1) <= total.draft_build_branches <= built
         _no_children_after_shutdown(llm, llm.engine.proposer.pid)
 
@@ -250,7 +255,7 @@ def test_interrupted_builds_still_hit_every_round_and_accept_everything(models):
         outputs = llm.generate(PROMPTS, GREEDY)
         _assert_greedy(outputs, models, range(len(PROMPTS)))
         s = llm.stats
-        assert s.cache_hits == s.cache_lookups - len(PROMPTS)
+        assert s.cache_hits == s.cache_lookups  # the first round's cache is built while the prompt is computed
         assert s.num_accepted_tokens == s.num_draft_tokens
         assert 0 <= s.draft_builds_cut_short <= s.draft_builds and s.draft_builds > len(PROMPTS)
 
@@ -258,8 +263,8 @@ def test_interrupted_builds_still_hit_every_round_and_accept_everything(models):
 def test_adaptive_lookahead_hits_whatever_lookahead_each_round_chooses(models):
     """With an adaptive lookahead the worker still builds every cache for the full K, so a round may verify
     fewer drafts than the next one asks for and the next lookup still hits: draft = target, greedy, the
-    lookahead scripted to change every step (3, 1, 2, ...): every round after each request's first hits and
-    accepts all its drafts, and the tokens equal AR."""
+    lookahead scripted to change every step (3, 1, 2, ...): every round hits (the first from the cache the
+    worker built while the target computed the prompt) and accepts all its drafts, and the tokens equal AR."""
     K = 3
     with _ssd(models, draft=models.target, num_speculative_tokens=K, fan_out=1, fallback="jit",
               prompt_lookup=False, draft_weight_format="dense", adaptive_lookahead=True,
@@ -269,7 +274,7 @@ def test_adaptive_lookahead_hits_whatever_lookahead_each_round_chooses(models):
         outputs = llm.generate(PROMPTS, GREEDY)
         _assert_greedy(outputs, models, range(len(PROMPTS)))
         s = llm.stats
-        assert s.cache_hits == s.cache_lookups - len(PROMPTS)
+        assert s.cache_hits == s.cache_lookups
         assert s.num_accepted_tokens == s.num_draft_tokens
         assert all(s.acceptance_histogram[k] > 0 for k in (1, 2, 3))  # every lookahead was verified
         _no_children_after_shutdown(llm, llm.engine.proposer.pid)

@@ -346,6 +346,27 @@ def test_mixed_greedy_and_sampled_batch(draft_path):
     h.release_all()
 
 
+@pytest.mark.parametrize("params", [[GREEDY] * 3, SAMPLED], ids=["greedy", "sampled"])
+def test_first_round_cache_built_after_the_prefill(draft_path, params):
+    """After the prefill the prompt is a speculation with no drafts: the build forks only at k = 0 (the
+    F_0 likeliest tokens after the prompt, each decoded K deep as plain decoding would), the first request
+    (k = 0, the prompt step's token) hits when that token was prepared and falls back when not, and later
+    rounds glue and hit as usual."""
+    h = Harness(make_engine(draft_path))
+    tracks = [Track(50 + i, p, q) for i, (p, q) in enumerate(zip(_prompts(), params))]
+    h.prefill(tracks)
+    a, b, c = (t.seq_id for t in tracks)
+    h.engine.expect_first_round({a: K, b: K, c: K})
+    h.build({a: [3, 0, 0, 0], b: [2, 0, 0, 0], c: [1, 0, 0, 0]})
+    assert {key for key in h.engine.states[a].cache} == {(0, t) for t in h.ref.ranking(tracks[0].text, -1)[:3]}
+    results = h.serve({a: h.key_at(a, 0, 2), b: h.key_at(b, 0), c: h.uncached_at(c, 0)}, "jit")
+    assert [results[s].hit for s in (a, b, c)] == [True, True, False]
+    h.build({s: f for s, f in zip((a, b, c), FAN_OUTS)})
+    results = h.serve({a: h.key_at(a, K), b: h.key_at(b, 1), c: h.key_at(c, 0)}, "jit")
+    assert all(results[s].hit for s in (a, b, c))
+    h.release_all()
+
+
 @pytest.mark.parametrize("steps", [1, 2])
 def test_a_build_cut_short_keeps_the_tokens_drafted_so_far(draft_path, steps):
     """When the next request arrives mid-build (``should_stop`` says yes after `steps` tree steps), every

@@ -40,6 +40,7 @@ def _prefill() -> PrefillMsg:
         top_p=[1.0, 0.9, 0.5],
         greedy=[True, False, False],
         seeds=[None, 2**64 - 1, 0],
+        first_round_drafts=[0, 4, 2],
     )
 
 
@@ -360,7 +361,8 @@ _NO_PROBS = np.zeros((0, 2, 4), dtype=np.float32)
         (lambda: SpeculateMsg.from_lists(0, [1], [[1]], [0], [3], [2]), "lookahead must be >= num_drafts"),
         (lambda: SpeculateMsg(0, [1], [1], [1], [0], np.array([2**40]), [1]), "outside the int32 range"),
         (lambda: SpeculateMsg(True, [1], [1], [1], [0], [1], [1]), "round_id must be an integer"),
-        (lambda: PrefillMsg(*([[1]] * 2), [-1], *([[0]] * 6)), "lengths must be >= 0"),
+        (lambda: PrefillMsg(*([[1]] * 2), [-1], *([[0]] * 7)), "lengths must be >= 0"),
+        (lambda: PrefillMsg(*([[1]] * 2), [1], *([[0]] * 6), [-1]), "first_round_drafts must be >= 0"),
         (lambda: SpeculationMsg(0, np.zeros((2, 3)), [0, 0], [0, 0], [], np.zeros((0, 3, 4))), "int64"),
         (lambda: SpeculationMsg(0, np.zeros(2, np.int64), [0, 0], [0, 0], [], np.zeros((0, 3, 4))), "2-D"),
         (lambda: _speculation(rows=(0, 0)), "distinct row indices"),

@@ -37,9 +37,13 @@ class SSDProposer:
         fallback: str,
         timeout_s: float,
         start_timeout_s: float = 300.0,
+        build_first_round: bool = False,
     ) -> None:
+        """``build_first_round``: the engine's prompt step emits its token without drafts, so the worker can
+        build each new sequence's first-round cache while the target computes the prompt."""
         self.config = config
         self.timeout_s = timeout_s
+        self.build_first_round = build_first_round
         self.vocab_size = config.target_vocab_size
         self.K = config.num_speculative_tokens
         self.draft_build_time_s = 0.0  # total time the worker spent building speculation caches
@@ -94,14 +98,23 @@ class SSDProposer:
         fresh = [s for s in seqs if s.seq_id not in self._told]
         if not fresh or not self.available:
             return
+        first = [self._first_round_drafts(s) for s in fresh]
         try:
-            self._send(_prefill_message(fresh))
+            self._send(_prefill_message(fresh, first))
         except DraftWorkerError as exc:
             self._fail(str(exc))
             return
-        for seq in fresh:
+        for seq, n in zip(fresh, first):
             self._told[seq.seq_id] = seq.num_tokens
-            self._last_k[seq.seq_id] = -1
+            # With a first-round cache the prompt step counts as a round of 0 drafts: its token is the bonus.
+            self._last_k[seq.seq_id] = 0 if n > 0 else -1
+
+    def _first_round_drafts(self, seq: Sequence) -> int:
+        """Drafts per branch of the first-round cache the worker builds after prefilling ``seq``; 0 unless
+        this step is the prompt's (a sequence re-prefilled after preemption speculates in this very step)."""
+        if not self.build_first_round or seq.num_output_tokens > 0:
+            return 0
+        return max(0, min(self.K, seq.sampling_params.max_tokens - 2))  # the first round follows one token
 
     def propose(self, requests: list[ProposalRequest]) -> Proposal:
         if not self.available:
@@ -225,7 +238,7 @@ class SSDProposer:
         return None if self._process is None else self._process.pid
 
 
-def _prefill_message(seqs: list[Sequence]) -> wire.PrefillMsg:
+def _prefill_message(seqs: list[Sequence], first_round_drafts: list[int]) -> wire.PrefillMsg:
     params = [s.sampling_params for s in seqs]
     return wire.PrefillMsg.from_lists(
         [s.seq_id for s in seqs],
@@ -235,4 +248,5 @@ def _prefill_message(seqs: list[Sequence]) -> wire.PrefillMsg:
         [p.top_p for p in params],
         [p.is_greedy for p in params],
         [p.seed for p in params],
+        first_round_drafts,
     )

@@ -107,6 +107,18 @@ class DraftEngine:
             mirror.num_computed_tokens += todo
             self.kv.cache_full_blocks(mirror)
 
+    def expect_first_round(self, lookaheads: dict[int, int]) -> None:
+        """Treat each (just prefilled) sequence's prompt as a verified speculation with no drafts, whose
+        bonus is the token the target's prompt step emits on its own: :meth:`build_cache` then prepares the
+        first round's speculations (candidates at k = 0, ``lookaheads[seq_id]`` drafts each), and the first
+        request, (k = 0, that token), can hit instead of paying the fallback."""
+        for seq_id, lookahead in lookaheads.items():
+            state = self.states[seq_id]
+            state.speculation = [state.mirror.last_token_id]
+            state.lookahead = lookahead
+            state.num_valid_drafts = 0
+            state.cache = {}
+
     def release(self, seq_id: int) -> None:
         state = self.states.pop(seq_id, None)
         if state is not None:

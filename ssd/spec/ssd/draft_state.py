@@ -41,7 +41,8 @@ class DraftSeqState:
 class SpeculateRow:
     seq_id: int
     new_tokens: list[int]  # committed tokens the draft has not seen (ends with the pending token)
-    num_accepted: int  # k of the round just verified; -1 when there was none (first round, or after a reset)
+    num_accepted: int  # k of the round just verified; -1 when there was none (a first round with no cache built
+    # after the prefill, or after a reset); 0 for a first round after a first-round build (its prompt's step)
     num_drafts: int  # K_i of this round
     lookahead: int | None = None  # drafts per branch of the next cache (>= num_drafts); None: num_drafts
 

@@ -62,6 +62,10 @@ _BOOL = np.dtype(np.bool_)
 class PrefillMsg(WireMessage):
     """New sequences for the worker: their tokens so far and the sampling options drafts must follow.
 
+    first_round_drafts > 0 asks the worker to build, right after the prefill, the cache for the sequence's
+    first round with that many drafts per branch: candidates for the token the target's prompt step emits on
+    its own (the engine then sends that round with num_accepted = 0). 0: no such build.
+
     Seeds are uint64 with a `has_seed` mask rather than int64 with -1 = none, because requests may use
     any seed in [0, 2**64 - 1] (SamplingParams allows it).
     """
@@ -77,6 +81,7 @@ class PrefillMsg(WireMessage):
         "greedy": (_BOOL, 1),
         "seed": (_U64, 1),
         "has_seed": (_BOOL, 1),
+        "first_round_drafts": (_I32, 1),
     }
 
     seq_ids: np.ndarray  # [B] int64
@@ -88,11 +93,14 @@ class PrefillMsg(WireMessage):
     greedy: np.ndarray  # [B] bool
     seed: np.ndarray  # [B] uint64, meaningful where has_seed
     has_seed: np.ndarray  # [B] bool
+    first_round_drafts: np.ndarray  # [B] int32, 0 = no cache build after the prefill
 
     def _validate(self) -> None:
-        per_row = ("lengths", "temperature", "top_k", "top_p", "greedy", "seed", "has_seed")
+        per_row = ("lengths", "temperature", "top_k", "top_p", "greedy", "seed", "has_seed", "first_round_drafts")
         check_rows("PrefillMsg", self.seq_ids.shape[0], self, per_row)
         check_ragged("PrefillMsg", "token_ids", "lengths", self)
+        if (self.first_round_drafts < 0).any():
+            raise ProtocolError("PrefillMsg.first_round_drafts must be >= 0")
 
     @classmethod
     def from_lists(
@@ -104,15 +112,18 @@ class PrefillMsg(WireMessage):
         top_p: Sequence[float],
         greedy: Sequence[bool],
         seeds: Sequence[int | None],
+        first_round_drafts: Sequence[int] | None = None,
     ) -> PrefillMsg:
         flat, lengths = pack_ragged(token_ids)
         seed = np.array([0 if s is None else s for s in seeds], dtype=np.uint64)  # [B]
         has_seed = np.array([s is not None for s in seeds], dtype=np.bool_)  # [B]
+        if first_round_drafts is None:
+            first_round_drafts = [0] * len(seq_ids)
         return cls(
             seq_ids=np.asarray(seq_ids, dtype=np.int64), token_ids=flat, lengths=lengths,
             temperature=np.asarray(temperature, dtype=np.float32), top_k=np.asarray(top_k, dtype=np.int32),
             top_p=np.asarray(top_p, dtype=np.float32), greedy=np.asarray(greedy, dtype=np.bool_),
-            seed=seed, has_seed=has_seed,
+            seed=seed, has_seed=has_seed, first_round_drafts=np.asarray(first_round_drafts, dtype=np.int32),
         )
 
     @property
@@ -130,8 +141,9 @@ class PrefillMsg(WireMessage):
 class SpeculateMsg(WireMessage):
     """One decode round: per row, the committed tokens the worker has not seen and last round's outcome.
 
-    num_accepted is k of the previous round (-1 when there was none or it is unknown); with the last new
-    token (the recovery/bonus token t*) it forms the cache key (k, t*). num_drafts is this round's K_i;
+    num_accepted is k of the previous round (-1 when there was none or it is unknown; 0 for the first round
+    after a prefill with first_round_drafts, whose 'previous round' is the prompt step with no drafts); with
+    the last new token (the recovery/bonus token t*) it forms the cache key (k, t*). num_drafts is this round's K_i;
     lookahead (>= num_drafts) is how many drafts each branch of the cache built during this round prepares,
     the most the next round may ask for (more than K_i when the target chooses its lookahead per round).
     """

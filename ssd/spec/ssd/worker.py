@@ -1,7 +1,9 @@
 """The SSD draft worker: a process of its own that serves speculations and builds the next cache.
 
 A plain function loop (``run_draft_worker``): receive a message, act, and for SPECULATE reply at once and
-then build the cache for the round being verified, which is the work that SSD takes off the critical path.
+then build the cache for the round being verified, which is the work that SSD takes off the critical path;
+after a PREFILL whose rows ask for it, build the cache for those sequences' first round while the target
+computes their prompts.
 It pins itself to its own CPU cores (or uses its own device) so target and draft do not compete.
 """
 
@@ -125,6 +127,7 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
         return
     conn.send_bytes(wire.ReadyMsg().pack())
     last_plan: dict[int, tuple[bool, int, list[int]]] = {}  # seq_id -> (served by a hit, K_i, F_0..F_K)
+    first_round: dict[int, int] = {}  # seq_id -> drafts per branch of a first-round cache not built yet
     built_at: float | None = None  # when the last cache build ended, if no other message came since
     try:
         while True:
@@ -143,12 +146,22 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
                     [(int(sid), toks.tolist(), _params(msg, row))
                      for row, (sid, toks) in enumerate(zip(msg.seq_ids, msg.token_lists()))]
                 )
+                for seq_id, n in zip(msg.seq_ids.tolist(), msg.first_round_drafts.tolist()):
+                    first_round.pop(seq_id, None)
+                    if n > 0:
+                        engine.expect_first_round({seq_id: n})
+                        first_round[seq_id] = n
+                # Build the first rounds now, while the target computes the prompts, unless other sequences'
+                # request is already waiting: then with their next cache, so the draft does not hold them up.
+                if first_round and (len(engine.states) == len(first_round) or not conn.poll()):
+                    _build(conn, engine, planner, {}, first_round, last_plan, config.interruptible_build)
             elif isinstance(msg, wire.ReleaseMsg):
                 for seq_id in msg.seq_ids.tolist():
                     engine.release(seq_id)
                     last_plan.pop(seq_id, None)
+                    first_round.pop(seq_id, None)
             elif isinstance(msg, wire.SpeculateMsg):
-                _serve(conn, engine, planner, msg, last_plan, config.interruptible_build)
+                _serve(conn, engine, planner, msg, last_plan, first_round, config.interruptible_build)
                 built_at = time.perf_counter()
     except (EOFError, OSError):
         logger.warning("target side closed the connection; draft worker exiting")
@@ -160,7 +173,8 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
             pass
 
 
-def _serve(conn, engine: DraftEngine, planner: FanOutPlanner, msg, last_plan, interruptible: bool) -> None:
+def _serve(conn, engine: DraftEngine, planner: FanOutPlanner, msg, last_plan, first_round: dict[int, int],
+           interruptible: bool) -> None:
     start = time.perf_counter()
     rows = [
         SpeculateRow(int(seq_id), new.tolist(), int(k), int(n), int(depth))
@@ -182,7 +196,21 @@ def _serve(conn, engine: DraftEngine, planner: FanOutPlanner, msg, last_plan, in
             planner.observe(built_after_hit, row.num_accepted, num_drafts, result.hit, f)
         fan_outs[row.seq_id] = fold_fan_out(planner.current(result.hit), len(result.tokens))
         last_plan[row.seq_id] = (result.hit, len(result.tokens), fan_outs[row.seq_id])
-    # With interruptible builds, a waiting message (the next request, usually) ends the build early.
+    _build(conn, engine, planner, fan_outs, first_round, last_plan, interruptible)
+
+
+def _build(conn, engine: DraftEngine, planner: FanOutPlanner, fan_outs: dict[int, list[int]],
+           first_round: dict[int, int], last_plan, interruptible: bool) -> None:
+    """Build the next cache: ``fan_outs`` for the sequences just served, plus the first round of sequences
+    prefilled since the last build (``first_round``, then emptied): their prompt is a speculation with no
+    drafts, so the whole budget of the plan for rounds not served from the cache goes to k = 0. With
+    interruptible builds, a waiting message (the next request, usually) ends the build early."""
+    plan = fold_fan_out(planner.current(False), 0)
+    for seq_id in first_round:
+        if seq_id not in fan_outs:  # one that was served already holds that speculation now
+            fan_outs[seq_id] = plan
+            last_plan[seq_id] = (False, 0, plan)
+    first_round.clear()
     engine.build_cache(fan_outs, should_stop=conn.poll if interruptible else None)
 
 
