@@ -800,11 +800,11 @@ def add_filler_padding_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_weight_format_args(p: argparse.ArgumentParser) -> None:
-    from ssd.models.packed_fp16 import WEIGHT_FORMATS
+    from ssd.models.packed_fp16 import DRAFT_WEIGHT_FORMATS, WEIGHT_FORMATS
 
     p.add_argument("--weight-format", default="auto", choices=list(WEIGHT_FORMATS),
                    help="the target's weights (as the engine: auto = fp16-packed when --dtype auto chose float32)")
-    p.add_argument("--draft-weight-format", default="auto", choices=list(WEIGHT_FORMATS),
+    p.add_argument("--draft-weight-format", default="auto", choices=list(DRAFT_WEIGHT_FORMATS),
                    help="the draft's weights (as the engine: auto = fp16-packed in float32 on CPU)")
 
 
@@ -815,4 +815,4 @@ def resolve_weight_formats(args: argparse.Namespace, requested_dtype: str) -> No
 
     args.weight_format = resolve_weight_format(args.weight_format, "cpu", args.dtype,
                                                explicit_dtype=requested_dtype != AUTO)
-    args.draft_weight_format = resolve_weight_format(args.draft_weight_format, "cpu", args.dtype)
+    args.draft_weight_format = resolve_weight_format(args.draft_weight_format, "cpu", args.dtype, draft=True)

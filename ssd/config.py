@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ssd.dtypes import DTYPE_NAMES, resolve_dtype
-from ssd.models.packed_fp16 import AUTO, WEIGHT_FORMATS, resolve_weight_format
+from ssd.models.packed_fp16 import AUTO, DRAFT_WEIGHT_FORMATS, resolve_weight_format
 from ssd.spec.lookup import LookupConfig
 from ssd.spec.ssd.fallback_policy import FALLBACKS, FILLER_PADDINGS
 from ssd.spec.ssd.fanout import check_budget, is_auto_spec
@@ -114,9 +114,9 @@ class SpeculativeConfig:
             raise ValueError(f"draft_timeout_s must be positive, got {self.draft_timeout_s!r}")
         if self.draft_dtype is not None and self.draft_dtype not in DTYPE_NAMES:
             raise ValueError(f"draft_dtype {self.draft_dtype!r} is not supported; choose one of {list(DTYPE_NAMES)}")
-        if self.draft_weight_format not in WEIGHT_FORMATS:
+        if self.draft_weight_format not in DRAFT_WEIGHT_FORMATS:
             raise ValueError(f"draft_weight_format {self.draft_weight_format!r} is not supported; choose one of "
-                             f"{list(WEIGHT_FORMATS)}")
+                             f"{list(DRAFT_WEIGHT_FORMATS)}")
 
     @property
     def lookup(self) -> LookupConfig:
@@ -176,6 +176,6 @@ class EngineConfig:
         if spec is not None:  # the draft's own device decides what "auto" means for it (a copy: no caller mutation)
             draft_device = spec.draft_device or self.device
             draft_dtype = resolve_dtype(spec.draft_dtype or requested_dtype, draft_device)
-            weight_format = resolve_weight_format(spec.draft_weight_format, draft_device, draft_dtype)
+            weight_format = resolve_weight_format(spec.draft_weight_format, draft_device, draft_dtype, draft=True)
             self.speculative_config = replace(spec, draft_dtype=draft_dtype, draft_weight_format=weight_format)
 

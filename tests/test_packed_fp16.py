@@ -14,7 +14,7 @@ from ssd import LLM, SamplingParams
 from ssd.config import EngineConfig, SpeculativeConfig
 from ssd.models import packed_fp16
 from ssd.models.loader import load_model
-from ssd.models.packed_fp16 import PackedFp16Product, pack_fp16_weights, resolve_weight_format
+from ssd.models.packed_fp16 import FP16_PACKED, PackedFp16Product, pack_weights, resolve_weight_format
 from ssd_utils import make_perturbed_draft
 
 pytestmark = pytest.mark.skipif(not packed_fp16.fbgemm_available(), reason="PyTorch built without FBGEMM")
@@ -86,7 +86,7 @@ def test_packed_model_computes_the_float16_rounded_model(checkpoint_factory, arc
                 module.weight.copy_(module.weight.half().float())
     # the head rounded on the fly: a tied input embedding stays float32 in both models
     rounded.head_matmul = lambda x, w, bias=None: F.linear(x, w.half().float(), bias)
-    count = pack_fp16_weights(packed)
+    count = pack_weights(packed, FP16_PACKED)
     assert count == 4 * packed.num_layers + 1
     assert all(m.weight.numel() == 0 for m in packed.modules() if isinstance(m, torch.nn.Linear))
     tokens = [random.Random(0).randrange(packed.config.vocab_size) for _ in range(11)]
@@ -98,7 +98,7 @@ def test_packed_model_computes_the_float16_rounded_model(checkpoint_factory, arc
 def test_packed_head_of_a_tied_model_keeps_the_embedding(checkpoint_factory):
     model, _ = load_model(checkpoint_factory("llama"), dtype=torch.float32)
     embedding = model.embed_tokens.weight.detach().clone()
-    pack_fp16_weights(model)
+    pack_weights(model, FP16_PACKED)
     assert torch.equal(model.embed_tokens.weight, embedding)
     x = torch.randn(3, model.config.hidden_size)
     reference = F.linear(x, model.head_weight.half().float())

@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from ssd.dtypes import AUTO_DTYPE_HELP, DTYPE_NAMES
-from ssd.models.packed_fp16 import WEIGHT_FORMATS
+from ssd.models.packed_fp16 import DRAFT_WEIGHT_FORMATS, WEIGHT_FORMATS
 from ssd.sampling_params import SamplingParams
 from ssd.spec.ssd.fallback_policy import FILLER_PADDINGS
 
@@ -43,8 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--k", type=int, default=4, help="draft tokens per round (lookahead K)")
     s.add_argument("--adaptive-lookahead", action="store_true",
                    help="choose each round's K in 0..--k from measured acceptance and step times (SSD still caches K)")
-    s.add_argument("--draft-weight-format", default="auto", choices=list(WEIGHT_FORMATS),
-                   help="the draft's weights (default auto: fp16-packed on CPU in float32)")
+    s.add_argument("--draft-weight-format", default="auto", choices=list(DRAFT_WEIGHT_FORMATS),
+                   help="the draft's weights (default auto: fp16-packed on CPU in float32; int8-packed: int8 "
+                        "attention and gate/up projections, faster multi-branch tree steps)")
     s.add_argument("--prompt-step-speculation", action=argparse.BooleanOptionalAction, default=False,
                    help="the step that finishes a prompt also verifies drafts (default: it emits its one token "
                         "without waiting for the draft, a lower time to first token)")

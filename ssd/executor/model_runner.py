@@ -28,7 +28,7 @@ from ssd.executor.memory import available_memory_bytes
 from ssd.models.arch import ModelArchConfig
 from ssd.models.draft_vocab import DraftVocab
 from ssd.models.loader import load_model
-from ssd.models.packed_fp16 import DENSE, FP16_PACKED, pack_fp16_weights
+from ssd.models.packed_fp16 import DENSE, PACKED_FORMATS, pack_weights
 
 if TYPE_CHECKING:
     from ssd.distributed.comm import TensorParallelGroup
@@ -72,10 +72,10 @@ class ModelRunner:
         self.model, self.arch = load_model(model_path, dtype=self.dtype, device=self.device, tp=tp)
         self.model.eval()
         self.weight_format = weight_format
-        if weight_format == FP16_PACKED:
-            logger.info("packed %d weight matrices as float16 for FBGEMM", pack_fp16_weights(self.model))
+        if weight_format in PACKED_FORMATS:
+            logger.info("packed %d weight matrices (%s) for FBGEMM", pack_weights(self.model, weight_format), weight_format)
         elif weight_format != DENSE:
-            raise ValueError(f"weight_format must be {DENSE!r} or {FP16_PACKED!r} here, got {weight_format!r}")
+            raise ValueError(f"weight_format must be {DENSE!r} or one of {PACKED_FORMATS} here, got {weight_format!r}")
         self.draft_vocab = DraftVocab.load(model_path)
         self._input_map = None  # target id -> model id, for drafts with a reduced vocabulary
         if self.draft_vocab is not None:

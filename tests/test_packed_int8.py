@@ -1,0 +1,100 @@
+"""int8 draft weights (ssd/models/packed_int8.py): the product, where the format is allowed, and SD and SSD with
+an int8 draft reproducing the target's greedy decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ssd import LLM, SamplingParams
+from ssd.config import EngineConfig, SpeculativeConfig
+from ssd.models import packed_fp16
+from ssd.models.loader import load_model
+from ssd.models.packed_fp16 import INT8_PACKED, PackedFp16Product, pack_weights, resolve_weight_format
+from ssd.models.packed_int8 import PackedInt8Product
+from ssd_utils import make_perturbed_draft
+
+pytestmark = pytest.mark.skipif(not packed_fp16.fbgemm_available(), reason="PyTorch built without FBGEMM")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 17])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_product_approximates_the_float_product(rows, with_bias):
+    """8-bit weights per row and 7-bit inputs: close to the float32 product (a relative error of a few
+    percent at most), and not equal to it (the quantization is real)."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(300, 96, generator=gen) * 0.1
+    weight[7] *= 50  # a row with its own range: per-row scales keep the others fine
+    bias = torch.randn(300, generator=gen) if with_bias else None
+    x = torch.randn(rows, 96, generator=gen)
+    out = PackedInt8Product(weight)(x, weight, bias)
+    expected = F.linear(x, weight, bias)
+    assert out.dtype == torch.float32 and out.shape == (rows, 300)
+    error = (out - expected).norm() / expected.norm()
+    assert 0 < error < 0.03
+    rows_error = (out - expected)[:, :7].norm() / expected[:, :7].norm()  # the big row did not coarsen the others
+    assert rows_error < 0.03
+
+
+def test_zero_weights_and_inputs_are_exact():
+    weight = torch.zeros(5, 8)
+    weight[1] = 1.0
+    out = PackedInt8Product(weight)(torch.zeros(2, 8))
+    assert torch.equal(out, torch.zeros(2, 5))
+
+
+def test_int8_is_a_draft_format_only():
+    assert resolve_weight_format(INT8_PACKED, "cpu", "float32", draft=True) == INT8_PACKED
+    with pytest.raises(ValueError, match="not supported"):
+        resolve_weight_format(INT8_PACKED, "cpu", "float32")
+    with pytest.raises(ValueError, match="needs a CPU device, dtype float32"):
+        resolve_weight_format(INT8_PACKED, "cpu", "bfloat16", draft=True)
+    config = EngineConfig(model="t", dtype="float32", speculative_config={"model": "d", "draft_weight_format": INT8_PACKED})
+    assert config.speculative_config.draft_weight_format == INT8_PACKED
+    assert SpeculativeConfig(model="d", draft_weight_format=INT8_PACKED).draft_weight_format == INT8_PACKED
+    with pytest.raises(ValueError, match="weight format 'int8-packed' is not supported"):
+        EngineConfig(model="t", dtype="float32", weight_format=INT8_PACKED)
+
+
+def test_packed_model_stays_close_to_the_float_model(checkpoint_factory):
+    """int8 for the attention and gate/up projections; the down projection and the head stay float16."""
+    path = checkpoint_factory("llama")
+    packed, _ = load_model(path, dtype=torch.float32)
+    dense, _ = load_model(path, dtype=torch.float32)
+    assert pack_weights(packed, INT8_PACKED) == 4 * packed.num_layers + 1
+    kinds = {name.rsplit(".", 1)[-1]: type(m.matmul) for name, m in packed.named_modules()
+             if isinstance(m, torch.nn.Linear)}
+    assert kinds == {"qkv_proj": PackedInt8Product, "o_proj": PackedInt8Product, "gate_up_proj": PackedInt8Product,
+                     "down_proj": PackedFp16Product}
+    assert isinstance(packed.head_matmul, PackedFp16Product)
+    x = torch.randn(4, packed.config.hidden_size)
+    a, b = packed.compute_logits(x), dense.compute_logits(x)
+    assert 0 < float((a - b).norm() / b.norm()) < 0.03
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoint_factory, tmp_path_factory):
+    target = checkpoint_factory("llama")
+    draft = make_perturbed_draft(target, tmp_path_factory.mktemp("int8") / "draft", 0.02)
+    return str(target), str(draft)
+
+
+PROMPTS = [[(7 * i + 3 * j) % 200 + 5 for j in range(4 + 3 * i)] for i in range(5)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+ENGINE = dict(dtype="float32", kv_cache_memory="16MiB", max_model_len=128, block_size=8, seed=0)
+
+
+def test_an_int8_draft_leaves_every_mode_exact(pair):
+    target, draft = pair
+    with LLM(target, **ENGINE) as ar:
+        expected = [o.token_ids for o in ar.generate(PROMPTS, GREEDY)]
+    for spec in ({"method": "draft_model", "num_speculative_tokens": 3},
+                 {"method": "ssd", "num_speculative_tokens": 3, "fallback": "jit"}):
+        config = {"model": draft, "draft_weight_format": INT8_PACKED, **spec}
+        with LLM(target, speculative_config=config, **ENGINE) as llm:
+            outputs = llm.generate(PROMPTS, GREEDY)
+            assert [o.token_ids for o in outputs] == expected, spec["method"]
+            assert llm.stats.num_accepted_tokens > 0
+            if spec["method"] == "draft_model":
+                assert llm.engine.proposer.runner.weight_format == INT8_PACKED
