@@ -205,12 +205,13 @@ def _build(conn, engine: DraftEngine, planner: FanOutPlanner, fan_outs: dict[int
     prefilled since the last build (``first_round``, then emptied): their prompt is a speculation with no
     drafts, so the whole budget of the plan for rounds not served from the cache goes to k = 0. With
     interruptible builds, a waiting message (the next request, usually) ends the build early."""
-    plan = fold_fan_out(planner.current(False), 0)
-    for seq_id in first_round:
-        if seq_id not in fan_outs:  # one that was served already holds that speculation now
-            fan_outs[seq_id] = plan
-            last_plan[seq_id] = (False, 0, plan)
-    first_round.clear()
+    if first_round:
+        plan = fold_fan_out(planner.current(False), 0)
+        for seq_id in first_round:
+            if seq_id not in fan_outs:  # one that was served already holds that speculation now
+                fan_outs[seq_id] = plan
+                last_plan[seq_id] = (False, 0, plan)
+        first_round.clear()
     engine.build_cache(fan_outs, should_stop=conn.poll if interruptible else None)
 
 
