@@ -50,7 +50,8 @@ def test_int8_is_a_draft_format_only():
         resolve_weight_format(INT8_PACKED, "cpu", "float32")
     with pytest.raises(ValueError, match="needs a CPU device, dtype float32"):
         resolve_weight_format(INT8_PACKED, "cpu", "bfloat16", draft=True)
-    config = EngineConfig(model="t", dtype="float32", speculative_config={"model": "d", "draft_weight_format": INT8_PACKED})
+    spec = {"model": "d", "draft_weight_format": INT8_PACKED}
+    config = EngineConfig(model="t", dtype="float32", speculative_config=spec)
     assert config.speculative_config.draft_weight_format == INT8_PACKED
     assert SpeculativeConfig(model="d", draft_weight_format=INT8_PACKED).draft_weight_format == INT8_PACKED
     with pytest.raises(ValueError, match="weight format 'int8-packed' is not supported"):

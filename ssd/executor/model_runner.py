@@ -73,7 +73,8 @@ class ModelRunner:
         self.model.eval()
         self.weight_format = weight_format
         if weight_format in PACKED_FORMATS:
-            logger.info("packed %d weight matrices (%s) for FBGEMM", pack_weights(self.model, weight_format), weight_format)
+            count = pack_weights(self.model, weight_format)
+            logger.info("packed %d weight matrices (%s) for FBGEMM", count, weight_format)
         elif weight_format != DENSE:
             raise ValueError(f"weight_format must be {DENSE!r} or one of {PACKED_FORMATS} here, got {weight_format!r}")
         self.draft_vocab = DraftVocab.load(model_path)

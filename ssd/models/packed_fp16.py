@@ -95,7 +95,7 @@ def pack_weights(model: nn.Module, weight_format: str) -> int:
     :data:`INT8_EXEMPT` says); a projection's float32 weight is released (the tied embedding stays: the input
     lookup reads it). Returns the number of matrices packed."""
     if weight_format not in PACKED_FORMATS:
-        raise ValueError(f"weight format {weight_format!r} is not a packed format; choose one of {list(PACKED_FORMATS)}")
+        raise ValueError(f"weight format {weight_format!r} is not packed; choose one of {list(PACKED_FORMATS)}")
     int8 = weight_format == INT8_PACKED
     count = 0
     for name, module in model.named_modules():

@@ -58,4 +58,5 @@ def build_ssd_proposer(engine: "LLMEngine") -> SSDProposer:
         ),
     )
     logger.info("starting SSD draft worker (device %s, cpus %s, K=%d)", device, draft_cpus, K)
-    return SSDProposer(config, spec.fallback, spec.draft_timeout_s, build_first_round=not spec.prompt_step_speculation)
+    first_round = not spec.prompt_step_speculation  # the prompt's step runs without drafts: build during it
+    return SSDProposer(config, spec.fallback, spec.draft_timeout_s, build_first_round=first_round)
