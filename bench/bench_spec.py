@@ -40,6 +40,7 @@ from common import (  # noqa: E402
     chat_prompt_ids,
     close_workers,
     common_prefix_len,
+    hit_rate_per_k,
     machine_info,
     median,
     parse_int_list,
@@ -263,6 +264,8 @@ def run_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "mean_acceptance_length": median(spec_ratio("num_emitted_tokens", "num_drafts")),
         "acceptance_rate": median(spec_ratio("num_accepted_tokens", "num_draft_tokens")),
         "cache_hit_rate": median(spec_ratio("cache_hits", "cache_lookups")),
+        # SSD: hits per lookup by the previous round's acceptance length k, over repeats
+        "cache_hit_rate_per_k": hit_rate_per_k([x["spec"] for x in runs]),
         "fallbacks": {k.removeprefix("fallback_"): median([x["spec"].get(k) for x in runs])
                       for k in runs[0]["spec"] if k.startswith("fallback_")},
         # rounds that accepted exactly k drafts, summed over repeats (acceptance length k + 1)

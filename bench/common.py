@@ -27,6 +27,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -379,12 +380,26 @@ class CallTimer:
 
 # ----------------------------------------------------------------------------------------------- our engine
 ACCEPT_HIST_PREFIX = "accepted_"  # spec-counter keys "accepted_<k>": rounds that accepted exactly k drafts
+LOOKUPS_PREFIX, HITS_PREFIX = "lookups_k", "hits_k"  # "lookups_k<k>" / "hits_k<k>": SSD lookups / hits at k
+
+
+def per_k(spec: dict[str, float], prefix: str) -> list[int]:
+    """The counters ``<prefix><k>`` of a run's spec-counter deltas as a list indexed by k."""
+    counts = {int(key[len(prefix):]): int(v) for key, v in spec.items() if key.startswith(prefix)}
+    return [counts.get(k, 0) for k in range(max(counts) + 1)] if counts else []
 
 
 def acceptance_histogram(spec: dict[str, float]) -> list[int]:
     """Rounds per number of accepted drafts (index k) from a run's spec-counter deltas."""
-    counts = {int(key[len(ACCEPT_HIST_PREFIX):]): int(v) for key, v in spec.items() if key.startswith(ACCEPT_HIST_PREFIX)}
-    return [counts.get(k, 0) for k in range(max(counts) + 1)] if counts else []
+    return per_k(spec, ACCEPT_HIST_PREFIX)
+
+
+def hit_rate_per_k(runs_spec: list[dict[str, float]]) -> list[float | None]:
+    """SSD cache hits per lookup at each acceptance length k of the previous round, over runs (None: no lookup)."""
+    lookups = [sum(col) for col in zip_longest(*(per_k(s, LOOKUPS_PREFIX) for s in runs_spec), fillvalue=0)]
+    hits = [sum(col) for col in zip_longest(*(per_k(s, HITS_PREFIX) for s in runs_spec), fillvalue=0)]
+    hits += [0] * (len(lookups) - len(hits))
+    return [h / n if n else None for h, n in zip(hits, lookups)]
 
 
 SPEC_COUNTERS = (
@@ -462,8 +477,10 @@ class EngineRunner:
         for key, value in fallbacks.items():
             snap[f"fallback_{key}"] = float(value)
         # rounds that accepted exactly k drafts (acceptance length k + 1), for histograms
-        for k, value in enumerate(getattr(stats, "acceptance_histogram", None) or []):
-            snap[f"{ACCEPT_HIST_PREFIX}{k}"] = float(value)
+        for prefix, name in ((ACCEPT_HIST_PREFIX, "acceptance_histogram"), (LOOKUPS_PREFIX, "cache_lookups_per_k"),
+                             (HITS_PREFIX, "cache_hits_per_k")):
+            for k, value in enumerate(getattr(stats, name, None) or []):
+                snap[f"{prefix}{k}"] = float(value)
         return snap
 
     def generate(self, prompts: list[list[int]], output_len: int, batch: int, temperature: float = 0.0,

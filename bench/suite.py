@@ -397,12 +397,18 @@ def sweep(args: argparse.Namespace, target: str, draft: str, sets: dict[str, Pro
 
 
 # ----------------------------------------------------------------------------------------------- printing
+def _per_k(rates: list[float | None] | None) -> str | None:
+    """SSD hit rates by the previous round's acceptance length k, as 'k=0/1/..' fractions ('-': no lookup)."""
+    return "/".join("-" if r is None else f"{r:.2f}" for r in rates) if rates else None
+
+
 def report(result: dict[str, Any]) -> None:
     args = result["args"]
     print(f"\n{result['pair']['note']}")
     for note in result.get("notes", []):
         print(f"note: {note}")
-    headers = ["mode", "config", "tok/s", "TTFT ms", "MAL", "hit", "vs AR", "vs SD", "exact", "RSS MiB (+draft)"]
+    headers = ["mode", "config", "tok/s", "TTFT ms", "MAL", "hit", "hit by k", "vs AR", "vs SD", "exact",
+               "RSS MiB (+draft)"]
     for ds, summary in result.get("per_dataset", {}).items():
         for layout, by_batch in summary["layouts"].items():
             for batch, rows in by_batch.items():
@@ -412,8 +418,10 @@ def report(result: dict[str, Any]) -> None:
                         f" (+{m['draft_peak_rss_mib']:.0f})" if m["draft_peak_rss_mib"] else "")
                     exact = m["exact"] if m["exact"] is not False else \
                         f"NO (prefix {min(m['agreeing_prefix_vs_ar'])}/{args['output_len']})"
+                    ssd = mode.startswith("ssd")
                     table.append([mode, m["config"], m["decode_tok_s"], 1e3 * m["ttft_s"] if m["ttft_s"] else None,
-                                  m["mean_acceptance_length"], m["cache_hit_rate"] if mode.startswith("ssd") else None,
+                                  m["mean_acceptance_length"], m["cache_hit_rate"] if ssd else None,
+                                  _per_k(m.get("cache_hit_rate_per_k")) if ssd else None,
                                   m["speedup_vs_ar"], m["speedup_vs_sd"], exact, rss])
                 print_table(headers, table, title=f"[{ds}] {layout}, batch {batch[1:]} (medians over repeats)")
         hf = summary.get("transformers")

@@ -104,6 +104,17 @@ def fake_repeats(scale: float) -> list[dict]:
     return [rep, dict(rep)]
 
 
+def test_per_k_counters_and_hit_rates_over_runs() -> None:
+    from common import acceptance_histogram, hit_rate_per_k
+
+    runs = [{"lookups_k0": 6.0, "lookups_k2": 2.0, "hits_k0": 3.0, "hits_k2": 2.0, "accepted_1": 4.0, "num_drafts": 8.0},
+            {"lookups_k0": 2.0, "lookups_k1": 4.0, "hits_k1": 1.0}]
+    assert acceptance_histogram(runs[0]) == [0, 4]
+    assert hit_rate_per_k(runs) == [3 / 8, 1 / 4, 1.0]
+    assert hit_rate_per_k([{"lookups_k1": 3.0}]) == [None, 0.0]  # no lookup at k = 0; none of k = 1 hit
+    assert hit_rate_per_k([{}]) == []
+
+
 def test_dataset_headline_and_latest_json_keys() -> None:
     a = ss.dataset_headline(fake_repeats(1.0), fake_rows(2.0, 2.5, 0.5), 1, "ssd-jit")
     assert a["ssd_over_ar"] == pytest.approx(2.0)
