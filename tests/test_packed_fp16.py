@@ -1,5 +1,6 @@
 """Packed float16 weights (ssd/models/packed_fp16.py): the product, the formats' resolution, a packed model, and
-every mode of an engine with a packed target (or draft) reproducing that target's own greedy decoding."""
+every mode of an engine with a packed target (or a packed float16 or int8 draft) reproducing that target's own
+greedy decoding."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ssd import LLM, SamplingParams
 from ssd.config import EngineConfig, SpeculativeConfig
 from ssd.models import packed_fp16
 from ssd.models.loader import load_model
-from ssd.models.packed_fp16 import FP16_PACKED, PackedFp16Product, pack_weights, resolve_weight_format
+from ssd.models.packed_fp16 import FP16_PACKED, INT8_PACKED, PackedFp16Product, pack_weights, resolve_weight_format
 from ssd_utils import make_perturbed_draft
 
 pytestmark = pytest.mark.skipif(not packed_fp16.fbgemm_available(), reason="PyTorch built without FBGEMM")
@@ -141,6 +142,21 @@ def test_a_packed_draft_leaves_a_dense_target_exact(pair):
     with LLM(target, speculative_config=spec, **ENGINE) as sd:
         assert sd.engine.proposer.runner.weight_format == "fp16-packed"
         assert [o.token_ids for o in sd.generate(PROMPTS, GREEDY)] == expected
+
+
+def test_an_int8_draft_leaves_every_mode_exact(pair):
+    target, draft = pair
+    with LLM(target, **ENGINE) as ar:
+        expected = [o.token_ids for o in ar.generate(PROMPTS, GREEDY)]
+    for spec in ({"method": "draft_model", "num_speculative_tokens": 3},
+                 {"method": "ssd", "num_speculative_tokens": 3, "fallback": "jit"}):
+        config = {"model": draft, "draft_weight_format": INT8_PACKED, **spec}
+        with LLM(target, speculative_config=config, **ENGINE) as llm:
+            outputs = llm.generate(PROMPTS, GREEDY)
+            assert [o.token_ids for o in outputs] == expected, spec["method"]
+            assert llm.stats.num_accepted_tokens > 0
+            if spec["method"] == "draft_model":
+                assert llm.engine.proposer.runner.weight_format == INT8_PACKED
 
 
 def test_command_line_flags_reach_the_engine_config():

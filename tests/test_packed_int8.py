@@ -1,5 +1,5 @@
-"""int8 draft weights (ssd/models/packed_int8.py): the product, where the format is allowed, and SD and SSD with
-an int8 draft reproducing the target's greedy decoding."""
+"""int8 draft weights (ssd/models/packed_int8.py): the product, where the format is allowed, and a packed model
+(SD and SSD with an int8 draft are checked beside the packed float16 ones in test_packed_fp16.py)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ssd import LLM, SamplingParams
 from ssd.config import EngineConfig, SpeculativeConfig
 from ssd.models import packed_fp16
 from ssd.models.loader import load_model
 from ssd.models.packed_fp16 import INT8_PACKED, PackedFp16Product, pack_weights, resolve_weight_format
 from ssd.models.packed_int8 import PackedInt8Product
-from ssd_utils import make_perturbed_draft
 
 pytestmark = pytest.mark.skipif(not packed_fp16.fbgemm_available(), reason="PyTorch built without FBGEMM")
 
@@ -72,30 +70,3 @@ def test_packed_model_stays_close_to_the_float_model(checkpoint_factory):
     x = torch.randn(4, packed.config.hidden_size)
     a, b = packed.compute_logits(x), dense.compute_logits(x)
     assert 0 < float((a - b).norm() / b.norm()) < 0.03
-
-
-@pytest.fixture(scope="module")
-def pair(checkpoint_factory, tmp_path_factory):
-    target = checkpoint_factory("llama")
-    draft = make_perturbed_draft(target, tmp_path_factory.mktemp("int8") / "draft", 0.02)
-    return str(target), str(draft)
-
-
-PROMPTS = [[(7 * i + 3 * j) % 200 + 5 for j in range(4 + 3 * i)] for i in range(5)]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-ENGINE = dict(dtype="float32", kv_cache_memory="16MiB", max_model_len=128, block_size=8, seed=0)
-
-
-def test_an_int8_draft_leaves_every_mode_exact(pair):
-    target, draft = pair
-    with LLM(target, **ENGINE) as ar:
-        expected = [o.token_ids for o in ar.generate(PROMPTS, GREEDY)]
-    for spec in ({"method": "draft_model", "num_speculative_tokens": 3},
-                 {"method": "ssd", "num_speculative_tokens": 3, "fallback": "jit"}):
-        config = {"model": draft, "draft_weight_format": INT8_PACKED, **spec}
-        with LLM(target, speculative_config=config, **ENGINE) as llm:
-            outputs = llm.generate(PROMPTS, GREEDY)
-            assert [o.token_ids for o in outputs] == expected, spec["method"]
-            assert llm.stats.num_accepted_tokens > 0
-            if spec["method"] == "draft_model":
-                assert llm.engine.proposer.runner.weight_format == INT8_PACKED
