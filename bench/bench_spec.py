@@ -20,7 +20,6 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
-from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ssd.dtypes import AUTO_DTYPE_HELP, DTYPE_NAMES, resolve_dtype  # noqa: E402
 
 from common import (  # noqa: E402
+    ACCEPT_HIST_PREFIX,
     EngineRunner,
     HFRunner,
     RESULTS_DIR,
     WorkerSpec,
-    acceptance_histogram,
     add_filler_padding_arg,
     add_weight_format_args,
     available_cpus,
@@ -50,6 +49,7 @@ from common import (  # noqa: E402
     resolve_weight_formats,
     rotated,
     start_workers,
+    summed_per_k,
     write_json,
 )
 
@@ -269,8 +269,7 @@ def run_metrics(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "fallbacks": {k.removeprefix("fallback_"): median([x["spec"].get(k) for x in runs])
                       for k in runs[0]["spec"] if k.startswith("fallback_")},
         # rounds that accepted exactly k drafts, summed over repeats (acceptance length k + 1)
-        "acceptance_histogram": [sum(col) for col in zip_longest(*(acceptance_histogram(x["spec"]) for x in runs),
-                                                                 fillvalue=0)],
+        "acceptance_histogram": summed_per_k([x["spec"] for x in runs], ACCEPT_HIST_PREFIX),
         # per verification round, in ms
         "verify_ms_per_round": per_round_ms([x["decode_forward_s"] for x in runs],
                                             [x["decode_forward_calls"] for x in runs]),

@@ -394,11 +394,15 @@ def acceptance_histogram(spec: dict[str, float]) -> list[int]:
     return per_k(spec, ACCEPT_HIST_PREFIX)
 
 
+def summed_per_k(runs_spec: list[dict[str, float]], prefix: str) -> list[int]:
+    """:func:`per_k` summed over runs (lists of different lengths padded with zeros)."""
+    return [sum(col) for col in zip_longest(*(per_k(s, prefix) for s in runs_spec), fillvalue=0)]
+
+
 def hit_rate_per_k(runs_spec: list[dict[str, float]]) -> list[float | None]:
     """SSD cache hits per lookup at each acceptance length k of the previous round, over runs (None: no lookup)."""
-    lookups = [sum(col) for col in zip_longest(*(per_k(s, LOOKUPS_PREFIX) for s in runs_spec), fillvalue=0)]
-    hits = [sum(col) for col in zip_longest(*(per_k(s, HITS_PREFIX) for s in runs_spec), fillvalue=0)]
-    hits += [0] * (len(lookups) - len(hits))
+    lookups = summed_per_k(runs_spec, LOOKUPS_PREFIX)
+    hits = summed_per_k(runs_spec, HITS_PREFIX) + [0] * len(lookups)  # no hits at the deepest k: shorter
     return [h / n if n else None for h, n in zip(hits, lookups)]
 
 

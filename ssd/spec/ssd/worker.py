@@ -146,11 +146,12 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
                     [(int(sid), toks.tolist(), _params(msg, row))
                      for row, (sid, toks) in enumerate(zip(msg.seq_ids, msg.token_lists()))]
                 )
-                for seq_id, n in zip(msg.seq_ids.tolist(), msg.first_round_drafts.tolist()):
+                requested = dict(zip(msg.seq_ids.tolist(), msg.first_round_drafts.tolist()))
+                for seq_id in requested:  # a re-prefilled sequence drops a first round still pending
                     first_round.pop(seq_id, None)
-                    if n > 0:
-                        engine.expect_first_round({seq_id: n})
-                        first_round[seq_id] = n
+                fresh = {seq_id: n for seq_id, n in requested.items() if n > 0}
+                engine.expect_first_round(fresh)
+                first_round.update(fresh)
                 # Build the first rounds now, while the target computes the prompts, unless other sequences'
                 # request is already waiting: then with their next cache, so the draft does not hold them up.
                 if first_round and (len(engine.states) == len(first_round) or not conn.poll()):
