@@ -10,7 +10,7 @@ from ssd.dtypes import DTYPE_NAMES, resolve_dtype
 from ssd.models.packed_fp16 import AUTO, DRAFT_WEIGHT_FORMATS, resolve_weight_format
 from ssd.spec.lookup import LookupConfig
 from ssd.spec.ssd.fallback_policy import FALLBACKS, FILLER_PADDINGS
-from ssd.spec.ssd.fanout import check_budget, is_auto_spec
+from ssd.spec.ssd.fanout import check_budget, has_adjustable_budget
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNIT_POWER = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}
@@ -59,9 +59,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 8
     # SSD only
-    fan_out: int | list[int] | str = "auto"  # geometric allocation, budget steered by BudgetController
+    # "auto": geometric allocation; "dynamic": each sequence's likeliest outcomes; both with the budget steered
+    # by BudgetController (ssd/spec/ssd/fanout.py)
+    fan_out: int | list[int] | str = "auto"
     fan_out_miss: int | list[int] | str | None = None
-    fan_out_budget: int | None = None  # branches per sequence of "auto" fan-outs; None: adapted online
+    fan_out_budget: int | None = None  # branches per sequence of "auto"/"dynamic" fan-outs; None: adapted online
     fallback: str = "auto"  # on a cache miss: jit or random, chosen from measured rates (FallbackPolicy)
     # random fillers past prompt lookup's copies: "none", "repeat" the pending token up to K, or "auto"
     # (none on CPU, repeat on CUDA), see ssd/spec/ssd/fallback_policy.py
@@ -99,8 +101,8 @@ class SpeculativeConfig:
             raise ValueError(f"prompt_step_speculation must be True or False, got {self.prompt_step_speculation!r}")
         if self.fan_out_budget is not None:
             check_budget(self.fan_out_budget, "fan_out_budget")
-            if not any(is_auto_spec(f) for f in (self.fan_out, self.fan_out_miss)):
-                raise ValueError("fan_out_budget only applies to fan_out='auto' or fan_out_miss='auto'")
+            if not any(has_adjustable_budget(f) for f in (self.fan_out, self.fan_out_miss)):
+                raise ValueError("fan_out_budget only applies to a fan_out or fan_out_miss of 'auto' or 'dynamic'")
         _ = self.lookup  # validates prompt_lookup_min / prompt_lookup_max
         if self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")

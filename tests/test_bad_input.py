@@ -237,7 +237,7 @@ def test_missing_draft(served, target, tmp_path):
     [
         ({"fan_out": "auto", "fan_out_budget": 0}, "fan_out_budget must be an integer >= 1"),
         ({"fan_out": "auto", "fan_out_budget": 2.5}, "fan_out_budget must be an integer >= 1"),
-        ({"fan_out": 3, "fan_out_budget": 12}, "only applies to fan_out='auto'"),
+        ({"fan_out": 3, "fan_out_budget": 12}, "only applies to a fan_out or fan_out_miss of 'auto' or 'dynamic'"),
         ({"fan_out": "auto", "fallback": "neural"}, "fallback must be one of"),
         ({"filler_padding": "zeros"}, "filler_padding must be one of"),
         ({"fan_out": "auto", "saguaro_c": 0.0}, r"saguaro_c must be in \(0, 1\]"),

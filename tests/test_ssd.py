@@ -128,6 +128,9 @@ GREEDY_CONFIGS = {
     "K4-auto-auto-adaptive": dict(num_speculative_tokens=4, fan_out="auto", fallback="auto", adaptive_lookahead=True),
     "K3-auto-random-no-prompt-step": dict(num_speculative_tokens=3, fan_out="auto", fallback="random",
                                           prompt_step_speculation=False),
+    "K4-dynamic-random-preempt": dict(num_speculative_tokens=4, fan_out="dynamic", fallback="random", kv_blocks=14),
+    "K3-dynamic-budget5-jit-miss-list": dict(num_speculative_tokens=3, fan_out="dynamic", fan_out_budget=5,
+                                             fan_out_miss=[2, 1, 0, 1], fallback="jit"),
 }
 ALLOWED_FALLBACKS = {"jit": {"jit"}, "random": {"random"}, "auto": {"jit", "random"}}
 
@@ -303,9 +306,10 @@ def exact_repeating(models) -> ExactJoint:
     return exact_joint(models.target, REPEATING_PROMPT, NUM_TOKENS, SAMPLED)
 
 
-# The first three exercise the draft model alone, the others prompt lookup too; builds are interruptible (the
-# default: hits cut short serve fewer drafts) except where the name says "full-builds"; the prompt's step
-# speculates only where the name says "prompt-step" (there it copies the prompt's repeat at once).
+# The first three and the dynamic fan-out exercise the draft model alone, the others prompt lookup too; builds
+# are interruptible (the default: hits cut short serve fewer drafts) except where the name says "full-builds";
+# the prompt's step speculates only where the name says "prompt-step" (there it copies the prompt's repeat at
+# once).
 SAMPLING_CONFIGS = {
     "saguaro1-jit-full-builds": dict(num_speculative_tokens=2, fan_out=2, fallback="jit", saguaro_c=1.0,
                                      prompt_lookup=False, interruptible_build=False),
@@ -318,6 +322,8 @@ SAMPLING_CONFIGS = {
     "lookup-random-prompt-step": dict(num_speculative_tokens=3, fan_out=[2, 1, 1, 2], fallback="random",
                                       prompt_step_speculation=True),
     "adaptive-jit": dict(num_speculative_tokens=3, fan_out=2, fallback="jit", adaptive_lookahead=True),
+    "dynamic-saguaro0.5-random": dict(num_speculative_tokens=2, fan_out="dynamic", fallback="random", saguaro_c=0.5,
+                                      prompt_lookup=False),
 }
 
 

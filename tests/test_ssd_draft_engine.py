@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,7 @@ from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution
 from ssd.spec.ssd.draft_engine import DraftEngine
 from ssd.spec.ssd.draft_state import SpeculateRow, SpeculationResult
+from ssd.spec.ssd.fanout import DynamicFanOut, FanOutPlan, Outcome, dynamic_branches, keeps_drafting, per_k_counts
 
 K = 3
 BLOCK = 4  # small blocks: glue and scratch regions straddle block boundaries
@@ -210,18 +212,30 @@ class Harness:
             torch.testing.assert_close(probs[j], expected, atol=ATOL, rtol=0)
             assert probs[j, token] > 0
 
-    def build(self, fan_outs: dict[int, list[int]], should_stop=None, depth: int | None = None) -> None:
+    def build(self, fan_outs: dict[int, FanOutPlan], should_stop=None, depth: int | None = None) -> None:
         """Build the cache, then check the keys (fork) and every branch (tree decode) against references;
         ``depth``: the tokens per branch of a build that ``should_stop`` cuts short."""
-        self.engine.build_cache(fan_outs, should_stop)
-        for seq_id, fan_out in fan_outs.items():
+        stats = self.engine.build_cache(fan_outs, should_stop)
+        for seq_id, plan in fan_outs.items():
             track = self.tracks[seq_id]
-            track.fan_out = list(fan_out)
+            weights = None
+            if isinstance(plan, DynamicFanOut):
+                outcomes = self.expected_outcomes(track, plan.budget)
+                weights = {(o.k, o.token): o.weight for o in outcomes}
+                keys = set(weights)
+                track.fan_out = per_k_counts(outcomes, K)
+            else:
+                track.fan_out = list(plan)
+                keys = self.expected_keys(track)
+            assert stats.fan_outs[seq_id] == self.engine.states[seq_id].fan_out == track.fan_out
             cache = self.engine.states[seq_id].cache
-            assert set(cache) == self.expected_keys(track), f"seq {seq_id}"
+            assert set(cache) == keys, f"seq {seq_id}"
+            full = track.lookahead if depth is None else depth
             for (k, c), entry in cache.items():
                 prefix = track.text + track.spec[:k] + [c]
-                self._check_branch(track, prefix, entry, track.lookahead if depth is None else depth)
+                n = full if weights is None else self.dynamic_length(prefix, entry.tokens, weights[(k, c)],
+                                                                     min(weights.values()), full)
+                self._check_branch(track, prefix, entry, n)
 
     def expected_keys(self, track: Track) -> set[tuple[int, int]]:
         """C_k: the F_k likeliest draft tokens after e_1..e_k, without the draft e_{k+1} for k < n."""
@@ -233,6 +247,35 @@ class Harness:
             candidates = [t for t in order if k == n or t != track.spec[k]][:f]
             keys.update((k, c) for c in candidates)
         return keys
+
+    def expected_outcomes(self, track: Track, budget: int) -> list[Outcome]:
+        """The `budget` likeliest outcomes by the reference's draft probabilities: e_{i+1} accepted at the
+        engine's calibrated rate for its probability, recoveries by their probability without e_{k+1}."""
+        n = len(track.spec)
+        rows = torch.softmax(self.ref.logits(track.text + track.spec), dim=-1)[len(track.text) - 1 :]  # [n+1, V]
+        drafted = [float(rows[k, track.spec[k]]) for k in range(n)]
+        candidates = []
+        for k in range(n + 1):
+            order = self.ref.ranking(track.text + track.spec, len(track.text) - 1 + k)[: budget + 1]
+            if k < n:
+                ranked = [(t, float(rows[k, t]) / (1.0 - drafted[k])) for t in order if t != track.spec[k]]
+            else:
+                ranked = [(t, float(rows[k, t])) for t in order]
+            candidates.append(ranked[:budget])
+        accept = [self.engine.calibration.rate(p) for p in drafted]
+        return dynamic_branches(candidates, accept, budget)
+
+    def dynamic_length(self, prefix: list[int], tokens: list[int], weight: float, marginal: float, limit: int) -> int:
+        """How many tokens a dynamic branch drafts: it goes on while ``keeps_drafting`` says so, with each of
+        its tokens accepted at the engine's calibrated rate for the reference's probability of it."""
+        rows = torch.softmax(self.ref.logits(prefix + tokens[:-1]), dim=-1)[len(prefix) - 1 :]  # [len(tokens), V]
+        path = 1.0
+        for j in range(1, limit):
+            assert j <= len(tokens), f"the branch stopped after {len(tokens)} tokens, expected more"
+            path *= self.engine.calibration.rate(min(1.0, float(rows[j - 1, tokens[j - 1]])))
+            if not keeps_drafting(weight, path, marginal):
+                return j
+        return limit
 
     def _check_branch(self, track: Track, prefix: list[int], entry, n: int) -> None:
         assert len(entry.tokens) == n
@@ -364,6 +407,36 @@ def test_first_round_cache_built_after_the_prefill(draft_path, params):
     h.build({s: f for s, f in zip((a, b, c), FAN_OUTS)})
     results = h.serve({a: h.key_at(a, K), b: h.key_at(b, 1), c: h.key_at(c, 0)}, "jit")
     assert all(results[s].hit for s in (a, b, c))
+    h.release_all()
+
+
+@pytest.mark.parametrize("params", [[GREEDY] * 3, SAMPLED], ids=["greedy", "sampled"])
+def test_dynamic_fan_out_builds_each_sequences_likeliest_outcomes(draft_path, params):
+    """A dynamic plan forks the `budget` outcomes likeliest by the draft's own probabilities, calibrated by
+    the verified rounds so far, and each branch drafts as deep as its path is worth (both checked in
+    ``Harness.build``); every branch equals plain decoding, and the served outcomes (the deepest prepared key,
+    or an unprepared one) teach the calibration."""
+    h = Harness(make_engine(draft_path))
+    tracks = [Track(60 + i, p, q) for i, (p, q) in enumerate(zip(_prompts(), params))]
+    h.prefill(tracks)
+    ids = [t.seq_id for t in tracks]
+    h.serve({s: (-1, 100 + s) for s in ids}, "jit")
+    # a random checkpoint is nearly uniform; as if the target had accepted 90% of its drafts so far, so that
+    # likely branches draft deep and the tree narrows with depth
+    for i in range(200):
+        for p in np.linspace(0.0, 1.0, 21):
+            h.engine.calibration.observe(float(p), False, i % 10 != 0)
+    lengths = set()
+    for r in range(5):
+        h.build({s: DynamicFanOut(budget) for s, budget in zip(ids, (1, 4, 9))})
+        lengths.update(len(entry.tokens) for s in ids for entry in h.engine.states[s].cache.values())
+        outcomes = {s: max(h.engine.states[s].cache) if (r + i) % 3 else h.uncached_at(s, 0)
+                    for i, s in enumerate(ids)}
+        results = h.serve(outcomes, "random" if r == 2 else "jit")
+        assert [results[s].hit for s in ids] == [bool((r + i) % 3) for i in range(len(ids))]
+    assert lengths == set(range(1, K + 1))  # likely branches drafted K tokens, unlikely ones stopped earlier
+    calibration = h.engine.calibration
+    assert any(calibration.rate(b / 10 + 0.05) != pytest.approx(b / 10 + 0.05) for b in range(10))
     h.release_all()
 
 

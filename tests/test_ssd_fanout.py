@@ -8,15 +8,19 @@ import pytest
 from ssd.spec.ssd.fanout import (
     AcceptanceEstimator,
     BudgetController,
+    DynamicFanOut,
     FanOut,
     FanOutPolicy,
     acceptance_length_probs,
+    dynamic_branches,
+    keeps_drafting,
     expected_tokens_per_round,
     fold_fan_out,
     geometric_fan_out,
     largest_remainder,
     max_fan_out_budget,
     parse_fan_out,
+    per_k_counts,
 )
 
 # ------------------------------------------------------------------------------------------------
@@ -218,6 +222,87 @@ def test_auto_policy_budget_can_change_and_fixed_cannot():
 
 
 # ------------------------------------------------------------------------------------------------
+# dynamic fan-out
+
+
+def test_parse_dynamic():
+    policy = parse_fan_out(" Dynamic", K=4)
+    assert policy.dynamic and policy.adjustable and not policy.is_auto and policy.budget == 10
+    assert policy.plan(4) == policy.plan(0) == DynamicFanOut(10)
+    policy.set_budget(13)
+    assert policy.plan(2) == DynamicFanOut(13) and repr(policy) == "FanOutPolicy(K=4, dynamic, budget=13)"
+    assert parse_fan_out("dynamic", K=2, budget=5).plan(2) == DynamicFanOut(5)
+    auto = parse_fan_out("auto", K=4, budget=6)
+    assert auto.plan(1) == fold_fan_out(auto.current(), 1) and auto.plan(4) == auto.current()
+    with pytest.raises(ValueError, match="budget"):
+        DynamicFanOut(0)
+    with pytest.raises(ValueError, match="either fixed or dynamic"):
+        FanOutPolicy(2, fixed=FanOut((1, 1, 1)), dynamic=True)
+
+
+# Three outcomes per k; P(0) = 0.5, P(1) = 0.5 * 0.2, P(2) = 0.5 * 0.8, so the weights P(k) P(c | k) are
+# (0, 10) 0.3, (2, 30) 0.28, (0, 11) 0.15, (1, 20) 0.09, (2, 31) 0.08, (0, 12) 0.05, (1, 21) 0.01.
+CANDIDATES = [[(10, 0.6), (11, 0.3), (12, 0.1)], [(20, 0.9), (21, 0.1)], [(30, 0.7), (31, 0.2)]]
+
+
+@pytest.mark.parametrize(
+    "budget, expected",
+    [
+        (1, [(0, 10)]),
+        (2, [(0, 10), (2, 30)]),
+        (4, [(0, 10), (0, 11), (1, 20), (2, 30)]),
+        (6, [(0, 10), (0, 11), (0, 12), (1, 20), (2, 30), (2, 31)]),
+        (50, [(0, 10), (0, 11), (0, 12), (1, 20), (1, 21), (2, 30), (2, 31)]),  # fewer candidates than budget
+    ],
+)
+def test_dynamic_branches_hand_computed(budget, expected):
+    outcomes = dynamic_branches(CANDIDATES, [0.5, 0.8], budget)
+    assert [(o.k, o.token) for o in outcomes] == expected
+    weights = {(0, 10): 0.3, (0, 11): 0.15, (0, 12): 0.05, (1, 20): 0.09, (1, 21): 0.01, (2, 30): 0.28, (2, 31): 0.08}
+    assert [o.weight for o in outcomes] == pytest.approx([weights[key] for key in expected], abs=1e-15)
+
+
+def _pairs(outcomes):
+    return [(o.k, o.token) for o in outcomes]
+
+
+def test_dynamic_branches_edges_and_ties():
+    # every draft accepted for sure: only the bonus can happen; never accepted: only k = 0 (outcomes of
+    # probability 0 get no branch, even when the budget has room)
+    assert _pairs(dynamic_branches(CANDIDATES, [1.0, 1.0], 3)) == [(2, 30), (2, 31)]
+    assert _pairs(dynamic_branches(CANDIDATES, [0.0, 1.0], 5)) == [(0, 10), (0, 11), (0, 12)]
+    # no drafts (a first round, an empty filler): the bonus row is k = 0
+    assert dynamic_branches([[(7, 0.9), (8, 0.1)]], [], 1) == [(0, 7, 0.9)]
+    # equal weights: the smaller k, then the better rank
+    assert _pairs(dynamic_branches([[(1, 0.5)], [(2, 0.5)]], [0.5], 1)) == [(0, 1)]
+    assert _pairs(dynamic_branches([[(1, 0.25), (3, 0.25)], []], [0.0], 1)) == [(0, 1)]
+    assert per_k_counts([(0, 10), (0, 11), (2, 30)], K=4) == [2, 0, 1, 0, 0]
+    assert per_k_counts(dynamic_branches(CANDIDATES, [0.5, 0.8], 4), K=2) == [2, 1, 1]
+
+
+def test_keeps_drafting_while_the_path_is_worth_the_marginal_branch():
+    # branches of weights 0.3 and 0.05 (the least likely started): the likely one drafts while
+    # 0.3 x P(its drafts so far accepted) >= 0.05, the marginal one stops after its first token
+    assert keeps_drafting(0.3, 0.6, 0.05) and keeps_drafting(0.3, 0.6**3, 0.05)
+    assert not keeps_drafting(0.3, 0.6**4, 0.05)
+    assert not keeps_drafting(0.05, 0.99, 0.05) and keeps_drafting(0.05, 1.0, 0.05)
+
+
+@pytest.mark.parametrize(
+    "candidates, accept, budget, match",
+    [
+        (CANDIDATES, [0.5], 3, "k = 0..1"),
+        (CANDIDATES, [0.5, 1.5], 3, "acceptance of draft 2"),
+        (CANDIDATES, [0.5, 0.5], 0, "budget"),
+        ([[(1, -0.1)], [], []], [0.5, 0.5], 1, "candidate probability"),
+    ],
+)
+def test_dynamic_branches_validation(candidates, accept, budget, match):
+    with pytest.raises(ValueError, match=match):
+        dynamic_branches(candidates, accept, budget)
+
+
+# ------------------------------------------------------------------------------------------------
 # adaptive budget
 
 
@@ -269,6 +354,8 @@ def test_max_fan_out_budget():
     assert max_fan_out_budget(3, K=4, budget=None) == 15
     assert max_fan_out_budget("auto", K=4, budget=None) == BudgetController.max_budget(4) == 30
     assert max_fan_out_budget("auto", K=4, budget=40) == 40
+    assert max_fan_out_budget("dynamic", K=4, budget=None) == 30
+    assert max_fan_out_budget("dynamic", K=4, budget=7) == 7
     assert max_fan_out_budget(2, K=4, budget=40) == 10  # a fixed spec ignores the auto budget
 
 
@@ -407,16 +494,22 @@ def _worker_config(**overrides):
     return WorkerConfig(**{**fields, **overrides})
 
 
-def test_planner_steers_the_budget_of_auto_policies_only():
+def test_planner_steers_the_budget_of_auto_and_dynamic_policies_only():
     from ssd.spec.ssd.worker import FanOutPlanner
 
     planner = FanOutPlanner(_worker_config(fan_out="4,2,1,1,0", fan_out_miss="auto"))
-    assert sum(planner.current(hit=True)) == 8 and sum(planner.current(hit=False)) == 10
+    assert sum(planner.plan(True, 4)) == 8 and sum(planner.plan(False, 4)) == 10
     planner.observe_timing(build_s=0.05, idle_s=0.02)
-    assert sum(planner.current(hit=True)) == 8 and sum(planner.current(hit=False)) == 11
+    assert sum(planner.plan(True, 4)) == 8 and sum(planner.plan(False, 4)) == 11
     planner.observe_timing(build_s=0.05, idle_s=0.0)
-    assert sum(planner.current(hit=False)) == 10
+    assert sum(planner.plan(False, 4)) == 10
 
     fixed_budget = FanOutPlanner(_worker_config(fan_out_budget=20))
     fixed_budget.observe_timing(build_s=0.05, idle_s=0.0)  # a user-given budget is never steered
-    assert sum(fixed_budget.current(hit=True)) == sum(fixed_budget.current(hit=False)) == 20
+    assert sum(fixed_budget.plan(True, 4)) == sum(fixed_budget.plan(False, 4)) == 20
+
+    dynamic = FanOutPlanner(_worker_config(fan_out="dynamic", fan_out_miss="3"))
+    assert dynamic.plan(True, 4) == DynamicFanOut(10) and dynamic.plan(False, 4) == [3] * 5
+    assert dynamic.plan(False, 1) == [3, 12, 0, 0, 0]  # a fixed plan folds the lengths a short filler cannot reach
+    dynamic.observe_timing(build_s=0.05, idle_s=0.02)
+    assert dynamic.plan(True, 2) == DynamicFanOut(11)  # the fork spreads it over the drafts there are

@@ -13,7 +13,7 @@ from ssd.spec.ssd.fallback_policy import FILLER_PADDINGS
 
 
 def _fan_out(value: str) -> int | list[int] | str:
-    if value == "auto":
+    if value in ("auto", "dynamic"):
         return value
     parts = [int(p) for p in value.split(",")]
     return parts[0] if len(parts) == 1 else parts
@@ -53,10 +53,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="draft with the model only (default: copy a token that followed an earlier match)")
     s.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest context match prompt lookup copies after")
     s.add_argument("--prompt-lookup-max", type=int, default=8, help="longest match prompt lookup compares")
-    s.add_argument("--fan-out", type=_fan_out, default="auto", help="SSD fan-out: an int, a comma list per k, or auto")
+    s.add_argument("--fan-out", type=_fan_out, default="auto",
+                   help="SSD fan-out: auto (default: geometric), dynamic (per sequence), an int, or a comma list per k")
     s.add_argument("--fan-out-miss", type=_fan_out, default=None, help="SSD fan-out for rounds after a miss")
     s.add_argument("--fan-out-budget", type=int, default=None,
-                   help="branches per sequence of 'auto' fan-outs (default: adapted so the draft keeps up)")
+                   help="branches per sequence of 'auto' and 'dynamic' fan-outs (default: adapted so the draft "
+                        "keeps up)")
     s.add_argument("--fallback", default="auto", choices=["jit", "random", "auto"])
     s.add_argument("--filler-padding", default="auto", choices=list(FILLER_PADDINGS),
                    help="random fillers past prompt lookup's copies (default auto: none on CPU, repeat on CUDA)")

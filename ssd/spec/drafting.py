@@ -82,6 +82,22 @@ class DraftDistribution:
         draft_ids, target_ids = self._by_target_id
         return target_ids[torch.topk(logits[:, draft_ids], min(n, len(draft_ids)), dim=-1).indices]  # [N, n]
 
+    def token_probs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The draft's plain (temperature 1) probabilities of target ids ``tokens [N, m]`` under draft
+        ``logits [N, Vd]``: ``[N, m]``, 0 for ids the draft cannot propose. Computed on the draft's own
+        columns like :meth:`greedy_tokens`."""
+        tokens = tokens.long()
+        if self._by_target_id is None:
+            usable = logits[:, : self.num_usable_tokens].float()  # [N, U]
+            columns, known = tokens.clamp(0, usable.shape[-1] - 1), tokens < usable.shape[-1]
+        else:
+            draft_ids, target_ids = self._by_target_id
+            usable = logits[:, draft_ids].float()  # [N, U], columns in ascending target-id order
+            columns = torch.searchsorted(target_ids, tokens).clamp(max=len(target_ids) - 1)  # [N, m]
+            known = target_ids[columns] == tokens
+        log_probs = usable.gather(1, columns) - torch.logsumexp(usable, dim=-1, keepdim=True)  # [N, m]
+        return torch.where(known & (tokens >= 0), log_probs.exp(), torch.zeros_like(log_probs))
+
     def draw(
         self,
         logits: torch.Tensor,

@@ -7,7 +7,9 @@ After returning the speculation [t_n, e_1..e_K] for a round, :meth:`DraftEngine.
 1. *glue*: runs t_n, e_1..e_K through the draft at their own positions (natural slots of the block table),
    giving the draft's distribution after each of them;
 2. *fork*: for every acceptance length k, candidates C_k = the F_k likeliest draft tokens after e_1..e_k,
-   excluding e_{k+1} (a recovery token never equals the rejected draft token);
+   excluding e_{k+1} (a recovery token never equals the rejected draft token). A dynamic plan gives a budget
+   instead, spent on the outcomes (k, c) likeliest by the draft's probabilities, calibrated online against
+   the verified outcomes (``fanout.dynamic_branches``, ``calibration.py``);
 3. *tree decode*: for every branch (k, c) decodes K tokens continuing t_1..t_n, e_1..e_k, c. All branches of
    all sequences advance together, one batched forward per depth, with a tree mask. Branch K/V lives in
    scratch slots after the glue region of the block table (depth-major: depth j, branch b at
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import torch
@@ -46,6 +48,7 @@ from ssd.sample.saguaro import saguaro_scale
 from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution, draft_sequentially
 from ssd.spec.lookup import LookupConfig
+from ssd.spec.ssd.calibration import AcceptanceCalibration
 from ssd.spec.ssd.draft_state import (
     BuildStats,
     CachedSpeculation,
@@ -55,6 +58,7 @@ from ssd.spec.ssd.draft_state import (
     drafts_before,
 )
 from ssd.spec.ssd.fallback_policy import JIT, RANDOM
+from ssd.spec.ssd.fanout import DynamicFanOut, FanOutPlan, Outcome, dynamic_branches, keeps_drafting, per_k_counts
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +85,7 @@ class DraftEngine:
         self.pad_filler = pad_filler
         self.states: dict[int, DraftSeqState] = {}
         self.last_build = BuildStats()
+        self.calibration = AcceptanceCalibration()  # draft probability -> acceptance rate, for dynamic forks
         self._jit_states: list[DraftSeqState] = []
 
     # ------------------------------------------------------------------ sequence lifecycle
@@ -117,6 +122,7 @@ class DraftEngine:
             state.speculation = [state.mirror.last_token_id]
             state.lookahead = lookahead
             state.num_valid_drafts = 0
+            state.copied, state.confidences = [], []
             state.cache = {}
 
     def release(self, seq_id: int) -> None:
@@ -148,6 +154,7 @@ class DraftEngine:
         for row, result in zip(rows, results):
             state = self.states[row.seq_id]
             state.speculation = [state.mirror.last_token_id] + result.tokens
+            state.copied, state.confidences = list(result.copied), []
             state.lookahead = row.tree_depth
             state.cache = {}
             if result.fallback == RANDOM:
@@ -165,6 +172,8 @@ class DraftEngine:
         if not consistent:
             mirror.num_computed_tokens = min(mirror.num_computed_tokens, mirror.num_tokens - 1)
             return None
+        if state.confidences:
+            self.calibration.observe_round(state.confidences, state.copied, k)
         if pending_valid:  # t_n and the accepted e_1..e_k already have K/V at their own positions
             mirror.num_computed_tokens += min(k, state.num_valid_drafts)
         self.kv.cache_full_blocks(mirror)
@@ -218,38 +227,49 @@ class DraftEngine:
     # ------------------------------------------------------------------ cache building
     @torch.inference_mode()
     def build_cache(
-        self, fan_outs: dict[int, list[int]], should_stop: Callable[[], bool] | None = None
+        self, fan_outs: Mapping[int, FanOutPlan], should_stop: Callable[[], bool] | None = None
     ) -> BuildStats:
-        """Glue, fork and tree-decode the speculations just returned, with F_0..F_K per sequence.
+        """Glue, fork and tree-decode the speculations just returned, with F_0..F_K (or a dynamic budget) per
+        sequence.
 
         ``should_stop`` is asked after each tree step from the first on: when it says yes (the next request
         is already waiting), the build ends there and every branch keeps the tokens drafted so far, so the
         draft never holds up the target for the deeper, less likely accepted tokens."""
         start = time.perf_counter()
-        states = []
-        for seq_id, fan_out in fan_outs.items():
+        states, plans = [], []
+        for seq_id, plan in fan_outs.items():
             state = self.states.get(seq_id)
             if state is not None and state.lookahead > 0:
-                state.fan_out = list(fan_out)
                 states.append(state)
+                plans.append(plan)
         if not states:
             self.last_build = BuildStats()
             return self.last_build
-        glue_logits = self._glue(states)
-        branches = [self._fork(state, logits) for state, logits in zip(states, glue_logits)]
+        glue_logits = self._glue(states, [_max_branches(p, len(s.speculation) - 1) for s, p in zip(states, plans)])
+        branches: list[list[tuple[int, int]]] = []
+        weights: list[list[float] | None] = []  # per dynamic sequence, each branch's outcome probability
+        for state, plan, logits in zip(states, plans, glue_logits):
+            if isinstance(plan, DynamicFanOut):
+                outcomes = self._fork_dynamic(state, logits, plan.budget)
+                branches.append([(o.k, o.token) for o in outcomes])
+                weights.append([o.weight for o in outcomes])
+                state.fan_out = per_k_counts(branches[-1], self.K)
+            else:
+                state.fan_out = list(plan)
+                branches.append(self._fork(state, logits))
+                weights.append(None)
         num_branches = sum(len(b) for b in branches)
-        depth = self._tree_decode(states, branches, should_stop)
-        self.last_build = BuildStats(time.perf_counter() - start, num_branches, depth,
-                                     depth < max(s.lookahead for s in states))
+        depth, interrupted = self._tree_decode(states, branches, weights, should_stop)
+        self.last_build = BuildStats(time.perf_counter() - start, num_branches, depth, interrupted,
+                                     {s.mirror.seq_id: list(s.fan_out) for s in states})
         return self.last_build
 
-    def _glue(self, states: list[DraftSeqState]) -> list[torch.Tensor]:
+    def _glue(self, states: list[DraftSeqState], max_branches: list[int]) -> list[torch.Tensor]:
         items = []
-        for state in states:
+        for state, m in zip(states, max_branches):
             mirror = state.mirror
             drafts = state.speculation[1:]
             k = len(drafts)
-            m = sum(state.fan_out[: k + 1])
             self._allocate(mirror, mirror.num_uncomputed_tokens + k + state.lookahead * m)
             # t_n always runs again: after a jit round its K/V is already valid, but the fork at k = 0 needs
             # the distribution after it (K+1 logits from K tokens would read another row).
@@ -284,77 +304,113 @@ class DraftEngine:
             branches.extend((k, c) for c in ranked[:f])
         return branches
 
+    def _fork_dynamic(self, state: DraftSeqState, logits: torch.Tensor, budget: int) -> list[Outcome]:
+        """The `budget` outcomes (k, c) likeliest by the draft's glue distributions (``dynamic_branches``):
+        each draft is accepted with the calibrated rate for the draft's probability of it, a recovery token
+        c at k < n has the draft's probability of c given that e_{k+1} was rejected, a bonus token its plain
+        probability; prompt lookup's copy for the bonus counts as at least as likely as the draft's top."""
+        drafts = state.speculation[1:]
+        n = len(drafts)
+        copied = state.copy(drafts)  # prompt lookup's bonus, if any
+        top = self.dist.top_tokens(logits, budget + 1)  # [n+1, budget+1]
+        extra = torch.tensor(drafts + [-1 if copied is None else copied], dtype=torch.long, device=top.device)
+        probs = self.dist.token_probs(logits, torch.cat([top, extra[:, None]], dim=1)).tolist()  # [n+1, budget+2]
+        drafted = [row[-1] for row in probs[:n]]
+        candidates = []
+        for k, (tokens, ps) in enumerate(zip(top.tolist(), probs)):
+            pairs = list(zip(tokens, ps))
+            if k < n:
+                rest = max(1.0 - drafted[k], 1e-12)
+                pairs = [(t, min(1.0, p / rest)) for t, p in pairs if t != drafts[k]]
+            elif copied is not None:
+                pairs = [(copied, max(ps[-1], ps[0]))] + [(t, p) for t, p in pairs if t != copied]
+            candidates.append(pairs[:budget])
+        state.confidences = [min(1.0, p) for p in drafted]
+        accept = [self.calibration.rate(p, c) for p, c in zip(state.confidences, state.copied)]
+        return dynamic_branches(candidates, accept, budget)
+
     def _tree_decode(self, states: list[DraftSeqState], branches: list[list[tuple[int, int]]],
-                     should_stop: Callable[[], bool] | None = None) -> int:
-        """Decode every branch up to its sequence's lookahead (fewer when ``should_stop`` ends the build
-        early); returns the number of tree steps run."""
+                     weights: list[list[float] | None], should_stop: Callable[[], bool] | None = None
+                     ) -> tuple[int, bool]:
+        """Decode every branch up to its sequence's lookahead, fewer tokens when ``should_stop`` ends the
+        build early or, for a dynamic sequence (``weights[i]`` = its branches' outcome probabilities), once
+        ``keeps_drafting`` says a branch's next token is not worth a row. Returns the number of tree steps run
+        and whether ``should_stop`` ended the build."""
         K = [s.lookahead for s in states]  # tokens per branch
         L = [len(s.speculation) - 1 for s in states]  # drafts in the glue
         depth = max(K)
         steps = 0
-        current = [[c for _, c in b] for b in branches]  # tokens to run at this depth, per branch
+        interrupted = False
+        active = [list(range(len(b))) for b in branches]  # branches that draft at this depth
+        current = [[c for _, c in b] for b in branches]  # their tokens to run at this depth
+        path = [[1.0] * len(b) for b in branches]  # P(a branch's drafts so far are all accepted), dynamic only
         sampled: list[list[list[int]]] = [[[] for _ in b] for b in branches]
         copied: list[list[list[bool]]] = [[[] for _ in b] for b in branches]
         probs_kept: list[list[list[torch.Tensor]]] = [[[] for _ in b] for b in branches]
         for j in range(depth):
             items, owners = [], []
-            for i, (state, branch) in enumerate(zip(states, branches)):
-                if j >= K[i] or not branch:
+            for i, state in enumerate(states):
+                if j >= K[i] or not active[i]:
                     continue
-                items.append(self._tree_item(state, branch, current[i], j, L[i]))
+                items.append(self._tree_item(state, branches[i], active[i], current[i], j, L[i]))
                 owners.append(i)
             if not items:
                 break
-            logits = self.runner.forward(items)  # [sum M, Vd]
-            params, generators, scaled = [], [], []
-            for i in owners:
-                m = len(branches[i])
-                params.extend([states[i].mirror.sampling_params] * m)
-                generators.extend([states[i].generator] * m)
-                scaled.extend([_at(states[i].fan_out, j)] * m)
-            forced = [states[i].copy(drafts_before(states[i], k, c) + sampled[i][b])
-                      for i in owners for b, (k, c) in enumerate(branches[i])]
-            tokens_t, probs = self.dist.draw(  # probs: [sum M, V], None when all rows are greedy
+            logits = self.runner.forward(items)  # [sum of active branches, Vd]
+            rows = [(i, b) for i in owners for b in active[i]]
+            params = [states[i].mirror.sampling_params for i, _ in rows]
+            generators = [states[i].generator for i, _ in rows]
+            scaled = [_at(states[i].fan_out, j) for i, _ in rows]
+            forced = [states[i].copy(drafts_before(states[i], *branches[i][b]) + sampled[i][b]) for i, b in rows]
+            tokens_t, probs = self.dist.draw(  # probs: [rows, V], None when all rows are greedy
                 logits, params, generators, None, lambda lg, pr: self._saguaro(pr, lg, params, scaled), forced
             )
             tokens = tokens_t.tolist()
-            offset = 0
+            confidence = None
+            if any(weights[i] is not None for i in owners):
+                confidence = self.dist.token_probs(logits, tokens_t[:, None])[:, 0].tolist()  # [rows]
+            for r, (i, b) in enumerate(rows):
+                sampled[i][b].append(tokens[r])
+                copied[i][b].append(forced[r] is not None)
+                if not states[i].greedy:
+                    probs_kept[i][b].append(probs[r])
+                if weights[i] is not None:
+                    path[i][b] *= self.calibration.rate(min(1.0, confidence[r]), forced[r] is not None)
             for i in owners:
-                m = len(branches[i])
-                for b in range(m):
-                    sampled[i][b].append(tokens[offset + b])
-                    copied[i][b].append(forced[offset + b] is not None)
-                    if not states[i].greedy:
-                        probs_kept[i][b].append(probs[offset + b])
-                current[i] = tokens[offset : offset + m]
-                offset += m
+                w = weights[i]
+                if w is not None:
+                    active[i] = [b for b in active[i] if keeps_drafting(w[b], path[i][b], min(w))]
+                current[i] = [sampled[i][b][-1] for b in active[i]]
             steps = j + 1
             if should_stop is not None and steps < depth and should_stop():
+                interrupted = True
                 break
         for i, state in enumerate(states):
             for b, (k, c) in enumerate(branches[i]):
                 kept = torch.stack(probs_kept[i][b]) if probs_kept[i][b] else None
                 state.cache[(k, c)] = CachedSpeculation(sampled[i][b], kept, copied[i][b])
-        return steps
+        return steps, interrupted
 
-    def _tree_item(self, state: DraftSeqState, branch: list[tuple[int, int]], tokens: list[int], j: int,
-                   num_glued: int):
+    def _tree_item(self, state: DraftSeqState, branch: list[tuple[int, int]], active: list[int], tokens: list[int],
+                   j: int, num_glued: int) -> ForwardItem:
+        """Depth j of one sequence's tree: a row per active branch, each reading the committed tokens, the
+        drafts it continues and its own earlier tree tokens. Scratch is depth-major with a slot per branch,
+        drafting or not (depth d, branch b at slot ``d * m + b`` of the scratch region)."""
         mirror = state.mirror
+        table, size = mirror.block_table, self.runner.block_size
         n = mirror.num_tokens  # committed tokens; t_n sits at position n - 1
         m = len(branch)
         glue_end = n + num_glued  # natural slots 0 .. n+L-1 hold t_1..t_n, e_1..e_L (L = num_glued drafts)
-        ks = np.array([k for k, _ in branch])
+        rows = np.array(active)
+        ks = np.array([branch[b][0] for b in active])
         positions = n + ks + j
-        scratch = np.arange((j + 1) * m)
-        write = block_slots(mirror.block_table, self.runner.block_size, glue_end + j * m, glue_end + (j + 1) * m)
-        read = np.concatenate([
-            block_slots(mirror.block_table, self.runner.block_size, 0, glue_end),
-            block_slots(mirror.block_table, self.runner.block_size, glue_end, glue_end + (j + 1) * m),
-        ])
-        mask = np.zeros((m, glue_end + (j + 1) * m), dtype=bool)
+        scratch = block_slots(table, size, glue_end, glue_end + (j + 1) * m)
+        own = (np.arange(j + 1)[:, None] * m + rows[None, :]).reshape(-1)  # the active branches' scratch so far
+        read = np.concatenate([block_slots(table, size, 0, glue_end), scratch[own]])
+        mask = np.zeros((len(rows), glue_end + len(own)), dtype=bool)
         mask[:, :glue_end] = np.arange(glue_end)[None, :] <= (n - 1 + ks)[:, None]
-        mask[:, glue_end:] = (scratch[None, :] % m) == np.arange(m)[:, None]
-        return ForwardItem(list(tokens), 0, mirror.block_table, m, positions, write, read, mask)
+        mask[:, glue_end:] = (own[None, :] % m) == rows[:, None]
+        return ForwardItem(list(tokens), 0, table, len(rows), positions, scratch[j * m + rows], read, mask)
 
     def _saguaro(self, probs, logits, params: list[SamplingParams], num_scaled: list[int]) -> torch.Tensor:
         """Scale q on the candidates a later fork caches: a token drawn at depth j of a speculation is the
@@ -395,3 +451,10 @@ def draft_seed(request_seed: int | None, engine_seed: int, seq_id: int) -> int:
 
 def _at(values: list[int], index: int) -> int:
     return values[index] if index < len(values) else 0
+
+
+def _max_branches(plan: FanOutPlan, num_drafts: int) -> int:
+    """The most branches a plan can fork after a speculation of `num_drafts` drafts (scratch slots per depth)."""
+    if isinstance(plan, DynamicFanOut):
+        return plan.budget
+    return sum(plan[: num_drafts + 1])

@@ -24,6 +24,10 @@ class DraftSeqState:
     speculation: list[int] = field(default_factory=list)  # last returned [t_n, e_1..e_n] (n <= K_i)
     lookahead: int = 0  # tokens each tree branch drafts for the next round (the last request's tree depth)
     num_valid_drafts: int = 0  # leading e_j whose K/V sits in natural slots (glue: all K, jit: K-1)
+    copied: list[bool] = field(default_factory=list)  # which of e_1..e_n prompt lookup copied
+    # the draft's probability of each of e_1..e_n where a dynamic fork computed them (else empty): checked
+    # against the verified outcome to calibrate the next forks (``calibration.py``)
+    confidences: list[float] = field(default_factory=list)
     fan_out: list[int] = field(default_factory=list)  # F_0..F_K of the next cache build (Saguaro scales these)
     cache: dict[tuple[int, int], CachedSpeculation] = field(default_factory=dict)
     lookup: PromptLookup | None = None  # prompt lookup over the mirror's tokens
@@ -66,6 +70,7 @@ class BuildStats:
     num_branches: int = 0
     depth: int = 0  # tree steps run: tokens per branch (the longest lookahead unless cut short)
     cut_short: bool = False  # the next request arrived first and the build stopped before its full depth
+    fan_outs: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> F_0..F_K built (dynamic: as forked)
 
 
 def drafts_before(state: DraftSeqState, k: int, token: int) -> list[int]:

@@ -11,6 +11,13 @@ with the prompt and the sampling options, so "auto" re-estimates them online fro
 counters (`AcceptanceEstimator`). Unless the user fixes M, "auto" also steers M itself from the draft's own
 timing (`BudgetController`): as many branches as fit before the target's verification ends.
 
+"dynamic" drops the population model and plans every sequence's round on its own: the M outcomes (k, c) the
+draft finds likeliest for this speculation get the branches (`dynamic_branches`), with P(k) from the
+draft's probabilities of its drafts mapped to measured acceptance rates (``calibration.py``) and P(c | k) from
+the draft's distribution at k. A confident speculation puts its branches deep, an uncertain one on k = 0.
+Branches also stop drafting once their next token is worth less than the least likely branch's first
+(`keeps_drafting`), so the tree narrows with depth. M is steered by the same `BudgetController`.
+
 Everything here is pure Python (no torch): it runs on the critical path of every round and is unit tested
 with exact values.
 """
@@ -21,12 +28,14 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ssd.spec.ssd.estimator import AcceptanceEstimator, check_rate, is_int
 
 logger = logging.getLogger(__name__)
 
 AUTO = "auto"
+DYNAMIC = "dynamic"
 
 # Quotas within this distance below an integer are taken as that integer (floating-point noise in
 # budget * w_k / sum(w) must not move a candidate between rows).
@@ -78,6 +87,77 @@ class FanOut:
 
     def as_list(self) -> list[int]:
         return list(self.values)
+
+
+@dataclass(frozen=True)
+class DynamicFanOut:
+    """A plan of `budget` branches that the fork spreads over (k, c) by the draft's own probabilities."""
+
+    budget: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "budget", check_budget(self.budget))
+
+
+FanOutPlan = list[int] | DynamicFanOut  # what one sequence's cache build is given
+
+
+class Outcome(NamedTuple):
+    """A possible result of verifying a speculation: k drafts accepted, then `token`; `weight` = its
+    probability as estimated when the branch for it was chosen."""
+
+    k: int
+    token: int
+    weight: float
+
+
+def dynamic_branches(
+    candidates: Sequence[Sequence[tuple[int, float]]], accept: Sequence[float], budget: int
+) -> list[Outcome]:
+    """The `budget` likeliest outcomes (k, c) of verifying a speculation of n = len(accept) drafts.
+
+    ``accept[i]``: the probability that the target accepts draft i + 1 once it reached it;
+    ``candidates[k]`` (k = 0..n): candidate tokens c with P(c | the round ends at k), most likely first (for
+    k < n the recovery tokens, which never include the rejected draft; for k = n the bonus tokens).
+    P(k) = accept[0] ... accept[k-1] (1 - accept[k]) (no last factor for k = n), and an outcome's weight is
+    P(k) P(c | k); outcomes of weight 0 get no branch. Returns the chosen outcomes ordered by k, then as
+    ranked in ``candidates``; equal weights go to the smaller k, then the better rank (deterministic).
+    """
+    n = len(accept)
+    if len(candidates) != n + 1:
+        raise ValueError(f"need candidates for k = 0..{n} ({n + 1} lists), got {len(candidates)}")
+    budget = check_budget(budget)
+    scored = []
+    reach = 1.0
+    for k, ranked in enumerate(candidates):
+        a = check_rate(f"acceptance of draft {k + 1}", accept[k]) if k < n else 0.0
+        stop = reach * (1.0 - a)
+        for rank, (token, prob) in enumerate(ranked):
+            weight = stop * check_rate("candidate probability", prob)
+            if weight > 0.0:
+                scored.append((-weight, k, rank, token))
+        reach *= a
+    chosen = sorted(sorted(scored)[:budget], key=lambda s: (s[1], s[2]))
+    return [Outcome(k, token, -neg_weight) for neg_weight, k, _, token in chosen]
+
+
+def keeps_drafting(weight: float, path_acceptance: float, marginal_weight: float) -> bool:
+    """Whether a dynamic branch drafts one more token (each branch drafts its first token regardless).
+
+    A branch's next token is worth its outcome's weight times the probability that its drafted tokens so
+    far are all accepted (`path_acceptance`); it is drafted while that is at least the weight of the least
+    likely branch the plan started (`marginal_weight`), whose first token was deemed worth a row. Likely
+    branches draft deep, unlikely ones stop after a token or two: the tree costs fewer rows than `budget`
+    full branches, and the budget controller turns the saving into more branches."""
+    return weight * path_acceptance >= marginal_weight
+
+
+def per_k_counts(branches: Sequence[tuple[int, ...]], K: int) -> list[int]:
+    """F_0..F_K of a set of branches (k, c) or outcomes (k, c, weight)."""
+    counts = [0] * (K + 1)
+    for branch in branches:
+        counts[branch[0]] += 1
+    return counts
 
 
 def acceptance_length_probs(a: float, K: int) -> list[float]:
@@ -153,7 +233,8 @@ def expected_tokens_per_round(a: float, K: int) -> float:
 
 
 class FanOutPolicy:
-    """The fan-out to use now: fixed, or "auto" (geometric allocation from an `AcceptanceEstimator`).
+    """The fan-out to use now: fixed, "auto" (geometric allocation from an `AcceptanceEstimator`) or
+    "dynamic" (per sequence, by the fork: `DynamicFanOut`).
 
     Every policy owns an estimator (also for fixed fan-outs, so metrics and the fallback choice can read
     a, r and the hit rate either way). Keep separate policies for rounds whose speculation came from the
@@ -169,8 +250,12 @@ class FanOutPolicy:
         fixed: FanOut | None = None,
         budget: int | None = None,
         estimator: AcceptanceEstimator | None = None,
+        dynamic: bool = False,
     ) -> None:
         self.K = _check_lookahead(K)
+        if fixed is not None and dynamic:
+            raise ValueError("a fan-out is either fixed or dynamic, not both")
+        self.dynamic = dynamic
         if fixed is not None:
             if fixed.K != self.K:
                 raise ValueError(f"fan-out has K = {fixed.K} but the lookahead is K = {self.K}")
@@ -188,10 +273,17 @@ class FanOutPolicy:
 
     @property
     def is_auto(self) -> bool:
+        """The geometric allocation from online estimates ("auto")."""
+        return self.fixed is None and not self.dynamic
+
+    @property
+    def adjustable(self) -> bool:
+        """Whether the branch budget may change ("auto" and "dynamic"; fixed fan-outs keep their sum)."""
         return self.fixed is None
 
     def current(self) -> list[int]:
-        """F_0..F_K for the next cache build (a fresh list; callers may keep or modify it)."""
+        """F_0..F_K for the next cache build (a fresh list; callers may keep or modify it). A dynamic policy
+        plans per sequence (`plan`); here it answers with the geometric allocation of its budget."""
         if self.fixed is not None:
             return self.fixed.as_list()
         version = self.estimator.version
@@ -205,14 +297,22 @@ class FanOutPolicy:
             )
         return list(self._cache[2])
 
+    def plan(self, num_drafts: int) -> FanOutPlan:
+        """The plan for the cache build after a speculation of `num_drafts` drafts: the per-sequence
+        `DynamicFanOut`, or F_0..F_K with the lengths past `num_drafts` folded onto it (`fold_fan_out`)."""
+        if self.dynamic:
+            return DynamicFanOut(self.budget)
+        return fold_fan_out(self.current(), num_drafts)
+
     def set_budget(self, budget: int) -> None:
-        """A new branch budget for an "auto" policy (see `BudgetController`); fixed fan-outs keep theirs."""
+        """A new branch budget for an "auto" or "dynamic" policy (see `BudgetController`); fixed fan-outs keep
+        theirs."""
         if self.fixed is not None:
             raise ValueError(f"the fixed fan-out {self.fixed.as_list()} has no adjustable budget")
         self.budget = check_budget(budget)
 
     def __repr__(self) -> str:
-        kind = "auto" if self.is_auto else self.fixed.as_list()  # type: ignore[union-attr]
+        kind = DYNAMIC if self.dynamic else AUTO if self.is_auto else self.fixed.as_list()  # type: ignore[union-attr]
         return f"FanOutPolicy(K={self.K}, {kind}, budget={self.budget})"
 
 
@@ -261,15 +361,24 @@ class BudgetController:
 
 def max_fan_out_budget(spec: int | Sequence[int] | str, K: int, budget: int | None) -> int:
     """The most branches per sequence a fan-out spec can ever ask for (sizes the draft's scratch KV):
-    its sum when fixed, `budget` for "auto" with a fixed budget, else the adaptive maximum."""
+    its sum when fixed, `budget` for "auto" or "dynamic" with a fixed budget, else the adaptive maximum."""
     policy = parse_fan_out(spec, K, budget)
-    if policy.is_auto and budget is None:
+    if policy.adjustable and budget is None:
         return BudgetController.max_budget(K)
     return policy.budget
 
 
 def is_auto_spec(spec: object) -> bool:
     return isinstance(spec, str) and spec.strip().lower() == AUTO
+
+
+def is_dynamic_spec(spec: object) -> bool:
+    return isinstance(spec, str) and spec.strip().lower() == DYNAMIC
+
+
+def has_adjustable_budget(spec: object) -> bool:
+    """Whether a fan-out spec takes a branch budget ("auto" and "dynamic")."""
+    return is_auto_spec(spec) or is_dynamic_spec(spec)
 
 
 def parse_fan_out(
@@ -281,14 +390,15 @@ def parse_fan_out(
     """Build a policy from a user-facing spec.
 
     Accepted specs: an int F >= 1 (F_k = F for every k); a list of K + 1 ints >= 0 with at least one > 0;
-    "auto" (geometric allocation from online estimates, budget default (K + 1) * 2). Strings from a
-    command line are also accepted: "3" and "4,2,1,1,0" mean the same as the int and list forms. `budget`
-    is the branch budget of "auto"; a fixed spec ignores it (its sum is its budget).
+    "auto" (geometric allocation from online estimates, budget default (K + 1) * 2); "dynamic" (each
+    sequence's likeliest outcomes, same budget). Strings from a command line are also accepted: "3" and
+    "4,2,1,1,0" mean the same as the int and list forms. `budget` is the branch budget of "auto" and
+    "dynamic"; a fixed spec ignores it (its sum is its budget).
     """
     K = _check_lookahead(K)
-    allowed = f"an int >= 1, a list of K + 1 = {K + 1} ints >= 0 (at least one > 0), or 'auto'"
-    if is_auto_spec(spec):
-        return FanOutPolicy(K, budget=budget, estimator=estimator)
+    allowed = f"an int >= 1, a list of K + 1 = {K + 1} ints >= 0 (at least one > 0), 'auto' or 'dynamic'"
+    if has_adjustable_budget(spec):
+        return FanOutPolicy(K, budget=budget, estimator=estimator, dynamic=is_dynamic_spec(spec))
     if isinstance(spec, str):
         text = spec.strip().lower()
         try:

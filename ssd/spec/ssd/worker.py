@@ -29,7 +29,7 @@ from ssd.spec.lookup import LookupConfig
 from ssd.spec.ssd import protocol as wire
 from ssd.spec.ssd.draft_engine import JIT, RANDOM, DraftEngine
 from ssd.spec.ssd.draft_state import BuildStats, SpeculateRow
-from ssd.spec.ssd.fanout import BudgetController, fold_fan_out, parse_fan_out
+from ssd.spec.ssd.fanout import BudgetController, FanOutPlan, parse_fan_out
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +89,8 @@ class FanOutPlanner:
         budget = config.fan_out_budget
         miss = config.fan_out_miss if config.fan_out_miss is not None else config.fan_out
         self.hit, self.miss = (parse_fan_out(f, K, budget) for f in (config.fan_out, miss))
-        self.auto = [p for p in (self.hit, self.miss) if p.is_auto]
-        self.controller = BudgetController(K) if self.auto and budget is None else None
+        self.adjustable = [p for p in (self.hit, self.miss) if p.adjustable]
+        self.controller = BudgetController(K) if self.adjustable and budget is None else None
         if self.controller is not None:
             self._set_budget(self.controller.budget)
 
@@ -100,7 +100,7 @@ class FanOutPlanner:
             self._set_budget(self.controller.observe(build_s, idle_s))
 
     def _set_budget(self, budget: int) -> None:
-        for policy in self.auto:
+        for policy in self.adjustable:
             policy.set_budget(budget)
 
     def observe(self, served_by_hit: bool, k: int, num_drafts: int, hit: bool, fan_out_k: int) -> None:
@@ -110,8 +110,9 @@ class FanOutPlanner:
         if fan_out_k > 0:  # no candidates were built for this k: the lookup says nothing about r
             estimator.observe_lookup(fan_out_k, hit)
 
-    def current(self, hit: bool) -> list[int]:
-        return (self.hit if hit else self.miss).current()
+    def plan(self, hit: bool, num_drafts: int) -> FanOutPlan:
+        """The plan for the cache after a speculation of `num_drafts` drafts, served by a hit or not."""
+        return (self.hit if hit else self.miss).plan(num_drafts)
 
 
 def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
@@ -126,7 +127,7 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
         conn.send_bytes(wire.ErrorMsg(f"draft worker failed to start: {exc}").pack())
         return
     conn.send_bytes(wire.ReadyMsg().pack())
-    last_plan: dict[int, tuple[bool, int, list[int]]] = {}  # seq_id -> (served by a hit, K_i, F_0..F_K)
+    last_plan: dict[int, tuple[bool, int, list[int]]] = {}  # seq_id -> (served by a hit, K_i, F_0..F_K built)
     first_round: dict[int, int] = {}  # seq_id -> drafts per branch of a first-round cache not built yet
     built_at: float | None = None  # when the last cache build ended, if no other message came since
     try:
@@ -188,32 +189,33 @@ def _serve(conn, engine: DraftEngine, planner: FanOutPlanner, msg, last_plan, fi
                                 engine.last_build, time.perf_counter() - start)
     conn.send_bytes(reply.pack())
     # The reply is out: from here on the draft works while the target verifies.
-    fan_outs = {}
+    served = {}
     for row, result in zip(rows, results):
-        previous = last_plan.get(row.seq_id)
+        previous = last_plan.pop(row.seq_id, None)
         if row.num_accepted >= 0 and previous is not None:
             built_after_hit, num_drafts, plan = previous
             f = plan[row.num_accepted] if row.num_accepted < len(plan) else 0
             planner.observe(built_after_hit, row.num_accepted, num_drafts, result.hit, f)
-        fan_outs[row.seq_id] = fold_fan_out(planner.current(result.hit), len(result.tokens))
-        last_plan[row.seq_id] = (result.hit, len(result.tokens), fan_outs[row.seq_id])
-    _build(conn, engine, planner, fan_outs, first_round, last_plan, interruptible)
+        served[row.seq_id] = (result.hit, len(result.tokens))
+    _build(conn, engine, planner, served, first_round, last_plan, interruptible)
 
 
-def _build(conn, engine: DraftEngine, planner: FanOutPlanner, fan_outs: dict[int, list[int]],
+def _build(conn, engine: DraftEngine, planner: FanOutPlanner, served: dict[int, tuple[bool, int]],
            first_round: dict[int, int], last_plan, interruptible: bool) -> None:
-    """Build the next cache: ``fan_outs`` for the sequences just served, plus the first round of sequences
-    prefilled since the last build (``first_round``, then emptied): their prompt is a speculation with no
-    drafts, so the whole budget of the plan for rounds not served from the cache goes to k = 0. With
-    interruptible builds, a waiting message (the next request, usually) ends the build early."""
-    if first_round:
-        plan = fold_fan_out(planner.current(False), 0)
-        for seq_id in first_round:
-            if seq_id not in fan_outs:  # one that was served already holds that speculation now
-                fan_outs[seq_id] = plan
-                last_plan[seq_id] = (False, 0, plan)
-        first_round.clear()
-    engine.build_cache(fan_outs, should_stop=conn.poll if interruptible else None)
+    """Build the next cache: for the sequences just served (``served``: seq_id -> (served by a hit, drafts)),
+    plus the first round of sequences prefilled since the last build (``first_round``, then emptied): their
+    prompt is a speculation with no drafts, planned like a round not served from the cache (so a geometric
+    plan folds its whole budget onto k = 0). With interruptible builds, a waiting message (the next request,
+    usually) ends the build early. Records what was built in ``last_plan``."""
+    served = dict(served)
+    for seq_id in first_round:
+        served.setdefault(seq_id, (False, 0))  # one that was served already holds that speculation now
+    first_round.clear()
+    plans = {seq_id: planner.plan(hit, num_drafts) for seq_id, (hit, num_drafts) in served.items()}
+    built = engine.build_cache(plans, should_stop=conn.poll if interruptible else None).fan_outs
+    for seq_id, (hit, num_drafts) in served.items():
+        if seq_id in built:
+            last_plan[seq_id] = (hit, num_drafts, built[seq_id])
 
 
 def speculation_message(
