@@ -78,7 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", default=None, help="target checkpoint folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default=None, help="draft checkpoint folder (default: the target itself)")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (num_speculative_tokens)")
-    p.add_argument("--fan-out", default="auto", help="SSD fan-out: an integer per k, a list 'a,b,..' (K+1), or a policy")
+    p.add_argument("--fan-out", default="dynamic",
+                   help="SSD fan-out: dynamic (default), auto, an integer per k, or a list a,b,.. (K+1)")
     add_filler_padding_arg(p)
     p.add_argument("--num-prompts", type=int, default=4, help="prompts per measurement")
     p.add_argument("--output-len", type=int, default=64, help="new tokens per prompt (EOS ignored)")

@@ -77,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exactness is checked only then)")
     p.add_argument("--seed", type=int, default=0, help="random prompts; per-request sampling seeds")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (num_speculative_tokens)")
-    p.add_argument("--fan-out", default="auto", help="SSD fan-out: an integer, a list 'a,b,..' (K+1), or 'auto'")
+    p.add_argument("--fan-out", default="dynamic",
+                   help="SSD fan-out: 'dynamic' (default), 'auto', an integer, or a list 'a,b,..' (K+1)")
     p.add_argument("--saguaro-c", type=float, default=1.0, help="SSD Saguaro scaling constant in (0, 1]")
     add_filler_padding_arg(p)
     p.add_argument("--no-prompt-lookup", dest="prompt_lookup", action="store_false",

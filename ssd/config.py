@@ -61,7 +61,7 @@ class SpeculativeConfig:
     # SSD only
     # "auto": geometric allocation; "dynamic": each sequence's likeliest outcomes; both with the budget steered
     # by BudgetController (ssd/spec/ssd/fanout.py)
-    fan_out: int | list[int] | str = "auto"
+    fan_out: int | list[int] | str = "dynamic"
     fan_out_miss: int | list[int] | str | None = None
     fan_out_budget: int | None = None  # branches per sequence of "auto"/"dynamic" fan-outs; None: adapted online
     fallback: str = "auto"  # on a cache miss: jit or random, chosen from measured rates (FallbackPolicy)

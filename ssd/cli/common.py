@@ -53,8 +53,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="draft with the model only (default: copy a token that followed an earlier match)")
     s.add_argument("--prompt-lookup-min", type=int, default=2, help="shortest context match prompt lookup copies after")
     s.add_argument("--prompt-lookup-max", type=int, default=8, help="longest match prompt lookup compares")
-    s.add_argument("--fan-out", type=_fan_out, default="auto",
-                   help="SSD fan-out: auto (default: geometric), dynamic (per sequence), an int, or a comma list per k")
+    s.add_argument("--fan-out", type=_fan_out, default="dynamic",
+                   help="SSD fan-out: dynamic (default: per sequence), auto (geometric), an int, or a comma list per k")
     s.add_argument("--fan-out-miss", type=_fan_out, default=None, help="SSD fan-out for rounds after a miss")
     s.add_argument("--fan-out-budget", type=int, default=None,
                    help="branches per sequence of 'auto' and 'dynamic' fan-outs (default: adapted so the draft "
