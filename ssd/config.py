@@ -69,8 +69,9 @@ class SpeculativeConfig:
     # (none on CPU, repeat on CUDA), see ssd/spec/ssd/fallback_policy.py
     filler_padding: str = "auto"
     saguaro_c: float = 1.0
-    # The draft stops building its speculation cache when the target's next request arrives; every branch
-    # keeps the tokens drafted so far (ssd/spec/ssd/draft_engine.py). False: builds always reach K.
+    # The draft stops building its speculation cache when the target's next request arrives, or before a tree
+    # step that would still run when the request is due; every branch keeps the tokens drafted so far
+    # (ssd/spec/ssd/build_clock.py, draft_engine.py). False: builds always reach K.
     interruptible_build: bool = True
     draft_device: str | None = None
     draft_threads: int | None = None

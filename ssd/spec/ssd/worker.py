@@ -3,7 +3,7 @@
 A plain function loop (``run_draft_worker``): receive a message, act, and for SPECULATE reply at once and
 then build the cache for the round being verified, which is the work that SSD takes off the critical path;
 after a PREFILL whose rows ask for it, build the cache for those sequences' first round while the target
-computes their prompts.
+computes their prompts. A build ends early when the next request is waiting or due (``BuildClock``).
 It pins itself to its own CPU cores (or uses its own device) so target and draft do not compete.
 """
 
@@ -27,6 +27,7 @@ from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution
 from ssd.spec.lookup import LookupConfig
 from ssd.spec.ssd import protocol as wire
+from ssd.spec.ssd.build_clock import BuildClock
 from ssd.spec.ssd.draft_engine import JIT, RANDOM, DraftEngine
 from ssd.spec.ssd.draft_state import BuildStats, SpeculateRow
 from ssd.spec.ssd.fanout import BudgetController, FanOutPlan, parse_fan_out
@@ -130,13 +131,18 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
     last_plan: dict[int, tuple[bool, int, list[int]]] = {}  # seq_id -> (served by a hit, K_i, F_0..F_K built)
     first_round: dict[int, int] = {}  # seq_id -> drafts per branch of a first-round cache not built yet
     built_at: float | None = None  # when the last cache build ended, if no other message came since
+    clock = BuildClock(conn.poll) if config.interruptible_build else None
     try:
         while True:
             data = conn.recv_bytes()
             arrived = time.perf_counter()
             msg = wire.decode_message(data)
+            if clock is not None:
+                arrived = clock.message_arrived(arrived, isinstance(msg, wire.SpeculateMsg))
             if isinstance(msg, wire.SpeculateMsg) and built_at is not None and engine.last_build.num_branches:
-                planner.observe_timing(engine.last_build.seconds, arrived - built_at)
+                # a build that stopped for fear of overrunning counts as late: it had more work than time
+                late = clock is not None and clock.ended_by_deadline
+                planner.observe_timing(engine.last_build.seconds, 0.0 if late else max(0.0, arrived - built_at))
             built_at = None
             if isinstance(msg, wire.ShutdownMsg):
                 return
@@ -156,14 +162,14 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
                 # Build the first rounds now, while the target computes the prompts, unless other sequences'
                 # request is already waiting: then with their next cache, so the draft does not hold them up.
                 if first_round and (len(engine.states) == len(first_round) or not conn.poll()):
-                    _build(conn, engine, planner, {}, first_round, last_plan, config.interruptible_build)
+                    _build(engine, planner, {}, first_round, last_plan, clock)
             elif isinstance(msg, wire.ReleaseMsg):
                 for seq_id in msg.seq_ids.tolist():
                     engine.release(seq_id)
                     last_plan.pop(seq_id, None)
                     first_round.pop(seq_id, None)
             elif isinstance(msg, wire.SpeculateMsg):
-                _serve(conn, engine, planner, msg, last_plan, first_round, config.interruptible_build)
+                _serve(conn, engine, planner, msg, last_plan, first_round, clock)
                 built_at = time.perf_counter()
     except (EOFError, OSError):
         logger.warning("target side closed the connection; draft worker exiting")
@@ -176,7 +182,7 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
 
 
 def _serve(conn, engine: DraftEngine, planner: FanOutPlanner, msg, last_plan, first_round: dict[int, int],
-           interruptible: bool) -> None:
+           clock: BuildClock | None) -> None:
     start = time.perf_counter()
     rows = [
         SpeculateRow(int(seq_id), new.tolist(), int(k), int(n), int(depth))
@@ -188,6 +194,8 @@ def _serve(conn, engine: DraftEngine, planner: FanOutPlanner, msg, last_plan, fi
     reply = speculation_message(msg.round_id, results, engine.K, engine.dist.target_vocab_size,
                                 engine.last_build, time.perf_counter() - start)
     conn.send_bytes(reply.pack())
+    if clock is not None:
+        clock.replied()
     # The reply is out: from here on the draft works while the target verifies.
     served = {}
     for row, result in zip(rows, results):
@@ -197,22 +205,24 @@ def _serve(conn, engine: DraftEngine, planner: FanOutPlanner, msg, last_plan, fi
             f = plan[row.num_accepted] if row.num_accepted < len(plan) else 0
             planner.observe(built_after_hit, row.num_accepted, num_drafts, result.hit, f)
         served[row.seq_id] = (result.hit, len(result.tokens))
-    _build(conn, engine, planner, served, first_round, last_plan, interruptible)
+    _build(engine, planner, served, first_round, last_plan, clock)
 
 
-def _build(conn, engine: DraftEngine, planner: FanOutPlanner, served: dict[int, tuple[bool, int]],
-           first_round: dict[int, int], last_plan, interruptible: bool) -> None:
+def _build(engine: DraftEngine, planner: FanOutPlanner, served: dict[int, tuple[bool, int]],
+           first_round: dict[int, int], last_plan, clock: BuildClock | None) -> None:
     """Build the next cache: for the sequences just served (``served``: seq_id -> (served by a hit, drafts)),
     plus the first round of sequences prefilled since the last build (``first_round``, then emptied): their
     prompt is a speculation with no drafts, planned like a round not served from the cache (so a geometric
-    plan folds its whole budget onto k = 0). With interruptible builds, a waiting message (the next request,
-    usually) ends the build early. Records what was built in ``last_plan``."""
+    plan folds its whole budget onto k = 0). With interruptible builds (a ``clock``), a waiting message or the
+    next request's due time ends the build early (``BuildClock``). Records what was built in ``last_plan``."""
     served = dict(served)
     for seq_id in first_round:
         served.setdefault(seq_id, (False, 0))  # one that was served already holds that speculation now
     first_round.clear()
     plans = {seq_id: planner.plan(hit, num_drafts) for seq_id, (hit, num_drafts) in served.items()}
-    built = engine.build_cache(plans, should_stop=conn.poll if interruptible else None).fan_outs
+    if clock is not None:
+        clock.start_build()
+    built = engine.build_cache(plans, should_stop=None if clock is None else clock.should_stop).fan_outs
     for seq_id, (hit, num_drafts) in served.items():
         if seq_id in built:
             last_plan[seq_id] = (hit, num_drafts, built[seq_id])
