@@ -821,7 +821,7 @@ def add_filler_padding_arg(p: argparse.ArgumentParser) -> None:
 
 
 def add_weight_format_args(p: argparse.ArgumentParser) -> None:
-    from ssd.models.packed_fp16 import DRAFT_WEIGHT_FORMATS, WEIGHT_FORMATS
+    from ssd.models.weight_formats import DRAFT_WEIGHT_FORMATS, WEIGHT_FORMATS
 
     p.add_argument("--weight-format", default="auto", choices=list(WEIGHT_FORMATS),
                    help="the target's weights (as the engine: auto = fp16-packed when --dtype auto chose float32)")
@@ -832,7 +832,7 @@ def add_weight_format_args(p: argparse.ArgumentParser) -> None:
 def resolve_weight_formats(args: argparse.Namespace, requested_dtype: str) -> None:
     """Concrete ``args.weight_format`` / ``args.draft_weight_format`` for ``args.dtype`` (already resolved from
     ``requested_dtype``), as the engine resolves them, so that they are recorded with the results."""
-    from ssd.models.packed_fp16 import AUTO, resolve_weight_format
+    from ssd.models.weight_formats import AUTO, resolve_weight_format
 
     args.weight_format = resolve_weight_format(args.weight_format, "cpu", args.dtype,
                                                explicit_dtype=requested_dtype != AUTO)

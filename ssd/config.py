@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ssd.dtypes import DTYPE_NAMES, resolve_dtype
-from ssd.models.packed_fp16 import AUTO, DRAFT_WEIGHT_FORMATS, resolve_weight_format
+from ssd.models.weight_formats import AUTO, DRAFT_WEIGHT_FORMATS, resolve_weight_format
 from ssd.spec.lookup import LookupConfig
 from ssd.spec.ssd.fallback_policy import FALLBACKS, FILLER_PADDINGS
 from ssd.spec.ssd.fanout import check_budget, has_adjustable_budget
@@ -51,7 +51,7 @@ class SpeculativeConfig:
     # starts with the next step. True: that step also verifies a speculation (up to K + 1 first tokens at once).
     prompt_step_speculation: bool = False
     draft_dtype: str | None = None  # default: the target's dtype; "auto" resolves for the draft's device
-    # "auto": float16 weights packed for FBGEMM where the draft runs on CPU in float32 (ssd/models/packed_fp16.py)
+    # "auto": float16 weights packed for FBGEMM where the draft runs on CPU in float32 (ssd/models/weight_formats.py)
     draft_weight_format: str = AUTO
     # Drafts copy the token that followed the longest earlier match (>= min, counted to max tokens) of the
     # context's suffix, when there is one (ssd/spec/lookup.py); both SD and SSD.
@@ -134,7 +134,7 @@ class EngineConfig:
     tokenizer: str | None = None
     dtype: str = "auto"  # see ssd.dtypes.resolve_dtype: float32 (+ packed fp16 weights) on CPU, bf16 on CUDA
     # "auto": float16 weights packed for FBGEMM where dtype "auto" resolved to float32 on CPU (an explicit
-    # dtype="float32" keeps float32 weights); "dense" or "fp16-packed" to choose (ssd/models/packed_fp16.py)
+    # dtype="float32" keeps float32 weights); "dense" or "fp16-packed" to choose (ssd/models/weight_formats.py)
     weight_format: str = AUTO
     device: str = "cpu"
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 4096

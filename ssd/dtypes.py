@@ -2,7 +2,7 @@
 
 ``auto`` picks bfloat16 on CUDA GPUs that support it, float16 on older ones. On a CPU it picks float32 where
 PyTorch has its FBGEMM backend, whose GEMM for float16 weights packed in its own layout (the engine's
-``weight_format="auto"`` then stores the weights that way, see ``ssd/models/packed_fp16.py``) is the fastest
+``weight_format="auto"`` then stores the weights that way, see ``ssd/models/weight_formats.py``) is the fastest
 kernel for the few-row products decoding is made of, even on CPUs that compute bfloat16 natively: on a
 2-core AMD EPYC with AVX-512 BF16, SmolLM2-135M decodes at 44.7 tok/s that way against 20.2 in bfloat16 at
 batch 1 (124.5 vs 74.6 at batch 4; one thread each), because a one-row bfloat16 product runs at a fraction
@@ -53,7 +53,7 @@ def resolve_dtype(name: str, device: str) -> str:
         import torch
 
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
-    from ssd.models.packed_fp16 import fbgemm_available  # imports torch: only when resolving for a CPU
+    from ssd.models.weight_formats import fbgemm_available  # imports torch: only when resolving for a CPU
 
     if fbgemm_available():
         chosen = "float32"  # weights stored as packed float16 (weight_format "auto")

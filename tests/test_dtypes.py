@@ -9,14 +9,14 @@ import pytest
 
 from ssd import dtypes
 from ssd.config import EngineConfig
-from ssd.models import packed_fp16
+from ssd.models import weight_formats
 
 
 @pytest.fixture
 def cpu_flags(monkeypatch):
     def use(*flags: str, fbgemm: bool = False) -> None:
         monkeypatch.setattr(dtypes, "cpu_flags", lambda: frozenset(flags))
-        monkeypatch.setattr(packed_fp16, "fbgemm_available", lambda: fbgemm)
+        monkeypatch.setattr(weight_formats, "fbgemm_available", lambda: fbgemm)
 
     return use
 

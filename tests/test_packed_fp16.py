@@ -1,6 +1,6 @@
-"""Packed float16 weights (ssd/models/packed_fp16.py): the product, the formats' resolution, a packed model, and
-every mode of an engine with a packed target (or a packed float16 or int8 draft) reproducing that target's own
-greedy decoding."""
+"""Packed float16 weights (ssd/models/packed_fp16.py, weight_formats.py): the product, the formats' resolution,
+a packed model, and every mode of an engine with a packed target (or a packed float16 or int8 draft) reproducing
+that target's own greedy decoding."""
 
 from __future__ import annotations
 
@@ -13,12 +13,13 @@ import torch.nn.functional as F
 from model_utils import PagedSession
 from ssd import LLM, SamplingParams
 from ssd.config import EngineConfig, SpeculativeConfig
-from ssd.models import packed_fp16
+from ssd.models import weight_formats
 from ssd.models.loader import load_model
-from ssd.models.packed_fp16 import FP16_PACKED, INT8_PACKED, PackedFp16Product, pack_weights, resolve_weight_format
+from ssd.models.weight_formats import FP16_PACKED, INT8_PACKED, pack_weights, resolve_weight_format
+from ssd.models.packed_fp16 import PackedFp16Product
 from ssd_utils import make_perturbed_draft
 
-pytestmark = pytest.mark.skipif(not packed_fp16.fbgemm_available(), reason="PyTorch built without FBGEMM")
+pytestmark = pytest.mark.skipif(not weight_formats.fbgemm_available(), reason="PyTorch built without FBGEMM")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 17])

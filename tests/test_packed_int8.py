@@ -8,12 +8,13 @@ import torch
 import torch.nn.functional as F
 
 from ssd.config import EngineConfig, SpeculativeConfig
-from ssd.models import packed_fp16
+from ssd.models import weight_formats
 from ssd.models.loader import load_model
-from ssd.models.packed_fp16 import INT8_PACKED, PackedFp16Product, pack_weights, resolve_weight_format
+from ssd.models.weight_formats import INT8_PACKED, pack_weights, resolve_weight_format
+from ssd.models.packed_fp16 import PackedFp16Product
 from ssd.models.packed_int8 import PackedInt8Product
 
-pytestmark = pytest.mark.skipif(not packed_fp16.fbgemm_available(), reason="PyTorch built without FBGEMM")
+pytestmark = pytest.mark.skipif(not weight_formats.fbgemm_available(), reason="PyTorch built without FBGEMM")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])

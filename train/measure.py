@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="engine dtype for target and draft (auto: see ssd/dtypes.py)")
     ap.add_argument("--prompt-lookup", action="store_true",
                     help="let prompt lookup replace drafts (the engine's default); off measures the model alone")
-    ap.add_argument("--draft-weight-format", default="auto", help="the draft's weights (ssd/models/packed_fp16.py)")
+    ap.add_argument("--draft-weight-format", default="auto", help="the draft's weights (ssd/models/weight_formats.py)")
     ap.add_argument("--timing", action="store_true", help="also time target and draft decode steps")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads; 1 is several times faster than 2 on the shared, loaded 2-core machine")

@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from ssd.dtypes import AUTO_DTYPE_HELP, DTYPE_NAMES
-from ssd.models.packed_fp16 import DRAFT_WEIGHT_FORMATS, WEIGHT_FORMATS
+from ssd.models.weight_formats import DRAFT_WEIGHT_FORMATS, WEIGHT_FORMATS
 from ssd.sampling_params import SamplingParams
 from ssd.spec.ssd.fallback_policy import FILLER_PADDINGS
 

@@ -16,7 +16,7 @@ import torch
 
 from ssd.distributed.comm import DistributedInit, TensorParallelGroup
 from ssd.distributed.commands import ForwardCommand, ShutdownCommand
-from ssd.models.packed_fp16 import DENSE
+from ssd.models.weight_formats import DENSE
 
 if TYPE_CHECKING:
     from ssd.config import EngineConfig
@@ -36,7 +36,7 @@ class RunnerArgs:
     kv_cache_memory: int | None
     kv_cache_fraction: float
     max_num_seqs: int
-    weight_format: str = DENSE  # resolved by EngineConfig (ssd/models/packed_fp16.py)
+    weight_format: str = DENSE  # resolved by EngineConfig (ssd/models/weight_formats.py)
 
     @classmethod
     def from_config(cls, config: "EngineConfig") -> "RunnerArgs":

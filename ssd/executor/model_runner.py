@@ -28,7 +28,7 @@ from ssd.executor.memory import available_memory_bytes
 from ssd.models.arch import ModelArchConfig
 from ssd.models.draft_vocab import DraftVocab
 from ssd.models.loader import load_model
-from ssd.models.packed_fp16 import DENSE, PACKED_FORMATS, pack_weights
+from ssd.models.weight_formats import DENSE, PACKED_FORMATS, pack_weights
 
 if TYPE_CHECKING:
     from ssd.distributed.comm import TensorParallelGroup

@@ -1,6 +1,6 @@
 """Draft weight format ``"int8-packed"``: int8 weights (one scale per output row) packed for FBGEMM, with each
 product's input quantized to 8 bits on the fly ("dynamic" quantization); output float32 (CPU). The format
-uses it for a draft's attention and gate/up projections (``pack_weights`` in ``packed_fp16.py``).
+uses it for a draft's attention and gate/up projections (``pack_weights`` in ``weight_formats.py``).
 
 An SSD tree step multiplies 5-20 rows (one per branch) by every weight of the draft, where FBGEMM's float16
 GEMM is compute-bound; its int8 GEMM does the same work in about half the time. Measured on the 2-core

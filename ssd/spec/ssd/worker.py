@@ -22,7 +22,7 @@ import torch
 from ssd.core.block_pool import BlockPool
 from ssd.core.kv_cache_manager import KVCacheManager
 from ssd.executor.model_runner import GraphOptions, ModelRunner
-from ssd.models.packed_fp16 import DENSE
+from ssd.models.weight_formats import DENSE
 from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution
 from ssd.spec.lookup import LookupConfig
@@ -58,7 +58,7 @@ class WorkerConfig:
     graphs: GraphOptions | None = None  # CUDA graphs for glue and tree steps (None: eager)
     lookup: LookupConfig = field(default_factory=LookupConfig)  # prompt lookup in drafts and fillers
     pad_filler: bool = False  # random fillers repeat the pending token up to K drafts (resolve_filler_padding)
-    weight_format: str = DENSE  # resolved by EngineConfig: DENSE or FP16_PACKED (ssd/models/packed_fp16.py)
+    weight_format: str = DENSE  # resolved by EngineConfig: DENSE or FP16_PACKED (ssd/models/weight_formats.py)
     interruptible_build: bool = True  # a waiting request ends a cache build early (SpeculativeConfig)
 
 

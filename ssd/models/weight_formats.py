@@ -1,0 +1,82 @@
+"""Weight formats: how a model's projections and LM head hold their weights, and switching a model to them.
+
+On CPU a decode step, a verification or a draft tree step multiplies a few rows by every weight matrix, so its
+time is the time to stream the weights; FBGEMM's packed products do that far better than float32 GEMM for these
+shapes (``packed_fp16.py``, ``packed_int8.py`` with the measurements).
+
+Formats (``weight_format`` for the target, ``draft_weight_format`` for the draft):
+
+- ``"dense"``: weights in the model's ``dtype``;
+- ``"fp16-packed"``: float16 weights packed for FBGEMM, computing in float32 (``ssd/models/packed_fp16.py``);
+  CPU, ``float32`` models, FBGEMM only;
+- ``"int8-packed"``: drafts only, same conditions: int8 weights and inputs (``ssd/models/packed_int8.py``) for
+  the attention and gate/up projections, float16-packed for the rest (:data:`INT8_EXEMPT`, the LM head);
+- ``"auto"`` (both defaults): ``"fp16-packed"`` where it applies, else ``"dense"``. For the target it applies
+  only when ``dtype="auto"`` chose float32 (on any CPU with FBGEMM: float16 weights in this GEMM are the
+  fastest precision for few-row products there, see ``ssd/dtypes.py``, and finer than bfloat16); an explicit
+  ``dtype="float32"`` keeps float32 weights. A draft's numerics never change the output, only how often its
+  guesses are accepted.
+
+All modes of an engine use the same target, so speculative outputs still equal its autoregressive ones.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ssd.models.packed_fp16 import PackedFp16Product
+from ssd.models.packed_int8 import PackedInt8Product
+
+DENSE, FP16_PACKED, INT8_PACKED, AUTO = "dense", "fp16-packed", "int8-packed", "auto"
+WEIGHT_FORMATS = (DENSE, FP16_PACKED, AUTO)  # a target's
+DRAFT_WEIGHT_FORMATS = (DENSE, FP16_PACKED, INT8_PACKED, AUTO)
+PACKED_FORMATS = (FP16_PACKED, INT8_PACKED)
+# Projections that "int8-packed" keeps in float16 (as well as the LM head): the MLP's down projection reads the
+# gated activation, whose few large channels would coarsen the per-tensor 8-bit input of every row (with
+# them in int8 the default draft's acceptance on code fell 4-6%; without, it is unchanged within noise).
+INT8_EXEMPT = ("down_proj",)
+
+
+def fbgemm_available() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def resolve_weight_format(
+    weight_format: str, device: str, dtype: str, explicit_dtype: bool = False, draft: bool = False
+) -> str:
+    """The concrete format (not ``"auto"``) of a model on ``device`` in ``dtype`` (a resolved dtype name);
+    ``explicit_dtype``: the user named the dtype (a target's ``"auto"`` then keeps dense weights); ``draft``:
+    the model is a draft (``"int8-packed"`` allowed). Raises ``ValueError`` for an unknown format or a packed
+    format that cannot run there."""
+    allowed = DRAFT_WEIGHT_FORMATS if draft else WEIGHT_FORMATS
+    if weight_format not in allowed:
+        raise ValueError(f"weight format {weight_format!r} is not supported; choose one of {list(allowed)}")
+    applies = str(device).startswith("cpu") and dtype == "float32" and fbgemm_available()
+    if weight_format == AUTO:
+        return FP16_PACKED if applies and not explicit_dtype else DENSE
+    if weight_format in PACKED_FORMATS and not applies:
+        raise ValueError(
+            f"weight format {weight_format!r} needs a CPU device, dtype float32 and PyTorch's FBGEMM backend; got "
+            f"device {device!r}, dtype {dtype!r}, quantized engines {torch.backends.quantized.supported_engines}"
+        )
+    return weight_format
+
+
+def pack_weights(model: nn.Module, weight_format: str) -> int:
+    """Switch every projection of ``model`` (a :class:`ssd.models.decoder.DecoderLM`) and its LM head to the
+    packed product of ``weight_format`` (:data:`PACKED_FORMATS`; ``"int8-packed"`` keeps float16 where
+    :data:`INT8_EXEMPT` says); a projection's float32 weight is released (the tied embedding stays: the input
+    lookup reads it). Returns the number of matrices packed."""
+    if weight_format not in PACKED_FORMATS:
+        raise ValueError(f"weight format {weight_format!r} is not packed; choose one of {list(PACKED_FORMATS)}")
+    int8 = weight_format == INT8_PACKED
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and hasattr(module, "matmul"):
+            product = PackedInt8Product if int8 and not name.endswith(INT8_EXEMPT) else PackedFp16Product
+            module.matmul = product(module.weight)
+            module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+            count += 1
+    model.head_matmul = PackedFp16Product(model.head_weight)
+    return count + 1
