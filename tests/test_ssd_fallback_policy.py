@@ -60,13 +60,24 @@ def test_auto_re_explores_and_follows_a_change():
     policy = FallbackPolicy("auto")
     _run(policy, FIRST + X, 1, {"jit": 12, "random": 7})
     # The draft got slower (say, another load on its core): the next cycles measure and switch.
-    chosen = _run(policy, 2 * E + X, 1, {"jit": 4, "random": 7})
+    chosen = _run(policy, 2 * E + 2 * X, 1, {"jit": 4, "random": 7})
     assert chosen[: 2 * E] == ["jit"] * E + ["random"] * E
     # jit's discounted sums still hold its 72 rounds at 12 tokens/s (rate 11 after one slow window):
-    # one cycle is not enough evidence; its own exploit window at 4 and the next cycle are.
-    assert chosen[2 * E:] == ["jit"] * X
+    # one cycle is not enough evidence, so jit wins again (for twice as long); its own window at 4 and the
+    # next cycle are enough.
+    assert chosen[2 * E:] == ["jit"] * 2 * X
     chosen = _run(policy, 2 * E + X, 1, {"jit": 4, "random": 7})
-    assert chosen[2 * E:] == ["random"] * X
+    assert chosen[2 * E:] == ["random"] * X  # a new winner starts from the shortest window
+
+
+def test_exploit_windows_double_while_the_same_fallback_wins():
+    policy = FallbackPolicy("auto")
+    _run(policy, FIRST, 1, {"jit": 6, "random": 9})
+    assert FallbackPolicy.MAX_EXPLOIT_ROUNDS == 8 * X
+    expected = ["random"] * X
+    for window in (2 * X, 4 * X, 8 * X, 8 * X):  # doubled each time random wins again, up to the cap
+        expected += ["jit"] * E + ["random"] * E + ["random"] * window
+    assert _run(policy, len(expected), 1, {"jit": 6, "random": 9}) == expected
 
 
 def test_auto_keeps_batch_sizes_apart():

@@ -8,8 +8,12 @@ accepted further but put K draft steps on the critical path. Which wins depends 
 and the batch size, so "auto" runs each fallback for a short window and keeps the faster:
 
 - per batch size (throughput and the hit rate both depend on it), a cycle of `EXPLORE_ROUNDS` rounds with
-  jit, `EXPLORE_ROUNDS` with random, then `EXPLOIT_ROUNDS` with whichever emitted more tokens per second,
+  jit, `EXPLORE_ROUNDS` with random, then an exploit window with whichever emitted more tokens per second,
   once each has been measured over at least `MIN_MEASURED_ROUNDS` rounds (until then cycles only explore);
+- the exploit window is `EXPLOIT_ROUNDS` long and doubles (up to `MAX_EXPLOIT_ROUNDS`) each time the same
+  fallback wins again, back to `EXPLOIT_ROUNDS` when the other one wins: where one fallback is clearly
+  faster, the rounds spent exploring the slower one fall from a fifth to a few percent, and a change in
+  conditions is still noticed within `MAX_EXPLOIT_ROUNDS` rounds;
 - a fallback's rate is the tokens emitted over the wall time of its measured rounds (propose to verified, so
   the draft's serve time, the verification and the hit rate all count), both sums discounted by `DISCOUNT`
   at the end of each of its windows: a ratio of sums over several windows, not a mean of short-window
@@ -76,11 +80,14 @@ class _BatchSizeTrial:
     measured: dict[str, _Measured] = field(default_factory=dict)  # fallback -> its sums
     window: _Window | None = None
     next_explore: int = 0  # index into the exploration order
+    winner: Kind | None = None  # the fallback of the last exploit window
+    exploit_rounds: int = 0  # its length
 
 
 class FallbackPolicy:
     EXPLORE_ROUNDS = 8
     EXPLOIT_ROUNDS = 64
+    MAX_EXPLOIT_ROUNDS = 512
     MIN_MEASURED_ROUNDS = 16
     DISCOUNT = 0.75
     EXPLORE_ORDER: tuple[Kind, Kind] = (JIT, RANDOM)
@@ -132,4 +139,8 @@ class FallbackPolicy:
             return self._next_window(trial)
         # ties: random, which frees the draft sooner
         best = max(self.EXPLORE_ORDER, key=lambda k: (trial.measured[k].rate, k == RANDOM))
-        return _Window(best, self.EXPLOIT_ROUNDS)
+        if best == trial.winner:
+            trial.exploit_rounds = min(self.MAX_EXPLOIT_ROUNDS, 2 * trial.exploit_rounds)
+        else:
+            trial.winner, trial.exploit_rounds = best, self.EXPLOIT_ROUNDS
+        return _Window(best, trial.exploit_rounds)
