@@ -139,10 +139,11 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
             msg = wire.decode_message(data)
             if clock is not None:
                 arrived = clock.message_arrived(arrived, isinstance(msg, wire.SpeculateMsg))
-            if isinstance(msg, wire.SpeculateMsg) and built_at is not None and engine.last_build.num_branches:
-                # a build that stopped for fear of overrunning counts as late: it had more work than time
-                late = clock is not None and clock.ended_by_deadline
-                planner.observe_timing(engine.last_build.seconds, 0.0 if late else max(0.0, arrived - built_at))
+            # A build that stopped before a step it had no time for neither idled nor kept the target waiting:
+            # its budget fits the verification, so the controller holds it.
+            if (isinstance(msg, wire.SpeculateMsg) and built_at is not None and engine.last_build.num_branches
+                    and not (clock is not None and clock.ended_by_deadline)):
+                planner.observe_timing(engine.last_build.seconds, max(0.0, arrived - built_at))
             built_at = None
             if isinstance(msg, wire.ShutdownMsg):
                 return
