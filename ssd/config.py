@@ -60,7 +60,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 8
     # SSD only
     # "auto": geometric allocation; "dynamic": each sequence's likeliest outcomes; both with the budget steered
-    # by BudgetController (ssd/spec/ssd/fanout.py)
+    # by BudgetController (ssd/spec/ssd/fanout.py, dynamic_fanout.py)
     fan_out: int | list[int] | str = "dynamic"
     fan_out_miss: int | list[int] | str | None = None
     fan_out_budget: int | None = None  # branches per sequence of "auto"/"dynamic" fan-outs; None: adapted online

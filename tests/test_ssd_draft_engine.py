@@ -25,7 +25,8 @@ from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution
 from ssd.spec.ssd.draft_engine import DraftEngine
 from ssd.spec.ssd.draft_state import SpeculateRow, SpeculationResult
-from ssd.spec.ssd.fanout import DynamicFanOut, FanOutPlan, Outcome, dynamic_branches, keeps_drafting, per_k_counts
+from ssd.spec.ssd.dynamic_fanout import DynamicFanOut, Outcome, dynamic_branches, keeps_drafting
+from ssd.spec.ssd.fanout import FanOutPlan, per_k_counts
 
 K = 3
 BLOCK = 4  # small blocks: glue and scratch regions straddle block boundaries

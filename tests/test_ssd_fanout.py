@@ -5,15 +5,13 @@ import math
 import numpy as np
 import pytest
 
+from ssd.spec.ssd.dynamic_fanout import DynamicFanOut, dynamic_branches, keeps_drafting
 from ssd.spec.ssd.fanout import (
     AcceptanceEstimator,
     BudgetController,
-    DynamicFanOut,
     FanOut,
     FanOutPolicy,
     acceptance_length_probs,
-    dynamic_branches,
-    keeps_drafting,
     expected_tokens_per_round,
     fold_fan_out,
     geometric_fan_out,

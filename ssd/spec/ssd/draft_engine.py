@@ -9,7 +9,7 @@ After returning the speculation [t_n, e_1..e_K] for a round, :meth:`DraftEngine.
 2. *fork*: for every acceptance length k, candidates C_k = the F_k likeliest draft tokens after e_1..e_k,
    excluding e_{k+1} (a recovery token never equals the rejected draft token). A dynamic plan gives a budget
    instead, spent on the outcomes (k, c) likeliest by the draft's probabilities, calibrated online against
-   the verified outcomes (``fanout.dynamic_branches``, ``calibration.py``);
+   the verified outcomes (``dynamic_fanout.py``, ``calibration.py``); the fork is in ``tree.py``;
 3. *tree decode*: for every branch (k, c) decodes K tokens continuing t_1..t_n, e_1..e_k, c. All branches of
    all sequences advance together, one batched forward per depth, with a tree mask. Branch K/V lives in
    scratch slots after the glue region of the block table (depth-major: depth j, branch b at
@@ -36,12 +36,10 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
-import numpy as np
 import torch
 
 from ssd.core.kv_cache_manager import KVCacheManager
 from ssd.core.sequence import Sequence
-from ssd.executor.attention_layout import block_slots
 from ssd.executor.forward_items import ForwardItem
 from ssd.executor.model_runner import ModelRunner
 from ssd.sample.saguaro import saguaro_scale
@@ -58,7 +56,9 @@ from ssd.spec.ssd.draft_state import (
     drafts_before,
 )
 from ssd.spec.ssd.fallback_policy import JIT, RANDOM
-from ssd.spec.ssd.fanout import DynamicFanOut, FanOutPlan, Outcome, dynamic_branches, keeps_drafting, per_k_counts
+from ssd.spec.ssd.dynamic_fanout import DynamicFanOut, keeps_drafting
+from ssd.spec.ssd.fanout import FanOutPlan, per_k_counts
+from ssd.spec.ssd.tree import fork_dynamic, fork_fixed, tree_item
 
 logger = logging.getLogger(__name__)
 
@@ -250,13 +250,13 @@ class DraftEngine:
         weights: list[list[float] | None] = []  # per dynamic sequence, each branch's outcome probability
         for state, plan, logits in zip(states, plans, glue_logits):
             if isinstance(plan, DynamicFanOut):
-                outcomes = self._fork_dynamic(state, logits, plan.budget)
+                outcomes = fork_dynamic(state, logits, self.dist, self.calibration, plan.budget)
                 branches.append([(o.k, o.token) for o in outcomes])
                 weights.append([o.weight for o in outcomes])
                 state.fan_out = per_k_counts(branches[-1], self.K)
             else:
                 state.fan_out = list(plan)
-                branches.append(self._fork(state, logits))
+                branches.append(fork_fixed(state, logits, self.dist))
                 weights.append(None)
         num_branches = sum(len(b) for b in branches)
         depth, interrupted = self._tree_decode(states, branches, weights, should_stop)
@@ -286,49 +286,6 @@ class DraftEngine:
             state.num_valid_drafts = n - 1
         return out
 
-    def _fork(self, state: DraftSeqState, logits: torch.Tensor) -> list[tuple[int, int]]:
-        """Branches (k, c) for one sequence, ordered by k then by draft likelihood. The bonus token (k = K)
-        is first guessed by prompt lookup when it has a proposal: long copied spans are accepted whole."""
-        fan_out = state.fan_out
-        drafts = state.speculation[1:]
-        k_max = len(drafts)
-        top = self.dist.top_tokens(logits, max(fan_out[: k_max + 1]) + 1).tolist()  # [K+1, F+1]
-        branches = []
-        for k in range(k_max + 1):
-            f = fan_out[k] if k < len(fan_out) else 0
-            ranked = top[k]
-            if k < k_max:
-                ranked = [t for t in ranked if t != drafts[k]]
-            elif f > 0 and (copied := state.copy(drafts)) is not None:
-                ranked = [copied] + [t for t in ranked if t != copied]
-            branches.extend((k, c) for c in ranked[:f])
-        return branches
-
-    def _fork_dynamic(self, state: DraftSeqState, logits: torch.Tensor, budget: int) -> list[Outcome]:
-        """The `budget` outcomes (k, c) likeliest by the draft's glue distributions (``dynamic_branches``):
-        each draft is accepted with the calibrated rate for the draft's probability of it, a recovery token
-        c at k < n has the draft's probability of c given that e_{k+1} was rejected, a bonus token its plain
-        probability; prompt lookup's copy for the bonus counts as at least as likely as the draft's top."""
-        drafts = state.speculation[1:]
-        n = len(drafts)
-        copied = state.copy(drafts)  # prompt lookup's bonus, if any
-        top = self.dist.top_tokens(logits, budget + 1)  # [n+1, budget+1]
-        extra = torch.tensor(drafts + [-1 if copied is None else copied], dtype=torch.long, device=top.device)
-        probs = self.dist.token_probs(logits, torch.cat([top, extra[:, None]], dim=1)).tolist()  # [n+1, budget+2]
-        drafted = [row[-1] for row in probs[:n]]
-        candidates = []
-        for k, (tokens, ps) in enumerate(zip(top.tolist(), probs)):
-            pairs = list(zip(tokens, ps))
-            if k < n:
-                rest = max(1.0 - drafted[k], 1e-12)
-                pairs = [(t, min(1.0, p / rest)) for t, p in pairs if t != drafts[k]]
-            elif copied is not None:
-                pairs = [(copied, max(ps[-1], ps[0]))] + [(t, p) for t, p in pairs if t != copied]
-            candidates.append(pairs[:budget])
-        state.confidences = [min(1.0, p) for p in drafted]
-        accept = [self.calibration.rate(p, c) for p, c in zip(state.confidences, state.copied)]
-        return dynamic_branches(candidates, accept, budget)
-
     def _tree_decode(self, states: list[DraftSeqState], branches: list[list[tuple[int, int]]],
                      weights: list[list[float] | None], should_stop: Callable[[], bool] | None = None
                      ) -> tuple[int, bool]:
@@ -352,7 +309,7 @@ class DraftEngine:
             for i, state in enumerate(states):
                 if j >= K[i] or not active[i]:
                     continue
-                items.append(self._tree_item(state, branches[i], active[i], current[i], j, L[i]))
+                items.append(tree_item(state, branches[i], active[i], current[i], j, L[i], self.runner.block_size))
                 owners.append(i)
             if not items:
                 break
@@ -390,27 +347,6 @@ class DraftEngine:
                 kept = torch.stack(probs_kept[i][b]) if probs_kept[i][b] else None
                 state.cache[(k, c)] = CachedSpeculation(sampled[i][b], kept, copied[i][b])
         return steps, interrupted
-
-    def _tree_item(self, state: DraftSeqState, branch: list[tuple[int, int]], active: list[int], tokens: list[int],
-                   j: int, num_glued: int) -> ForwardItem:
-        """Depth j of one sequence's tree: a row per active branch, each reading the committed tokens, the
-        drafts it continues and its own earlier tree tokens. Scratch is depth-major with a slot per branch,
-        drafting or not (depth d, branch b at slot ``d * m + b`` of the scratch region)."""
-        mirror = state.mirror
-        table, size = mirror.block_table, self.runner.block_size
-        n = mirror.num_tokens  # committed tokens; t_n sits at position n - 1
-        m = len(branch)
-        glue_end = n + num_glued  # natural slots 0 .. n+L-1 hold t_1..t_n, e_1..e_L (L = num_glued drafts)
-        rows = np.array(active)
-        ks = np.array([branch[b][0] for b in active])
-        positions = n + ks + j
-        scratch = block_slots(table, size, glue_end, glue_end + (j + 1) * m)
-        own = (np.arange(j + 1)[:, None] * m + rows[None, :]).reshape(-1)  # the active branches' scratch so far
-        read = np.concatenate([block_slots(table, size, 0, glue_end), scratch[own]])
-        mask = np.zeros((len(rows), glue_end + len(own)), dtype=bool)
-        mask[:, :glue_end] = np.arange(glue_end)[None, :] <= (n - 1 + ks)[:, None]
-        mask[:, glue_end:] = (own[None, :] % m) == rows[:, None]
-        return ForwardItem(list(tokens), 0, table, len(rows), positions, scratch[j * m + rows], read, mask)
 
     def _saguaro(self, probs, logits, params: list[SamplingParams], num_scaled: list[int]) -> torch.Tensor:
         """Scale q on the candidates a later fork caches: a token drawn at depth j of a speculation is the

@@ -17,6 +17,13 @@ def check_rate(name: str, value: object, lo: float = 0.0, hi: float = 1.0) -> fl
     return float(value)
 
 
+def check_budget(budget: object, name: str = "fan-out budget") -> int:
+    """`budget` as an int, or ValueError unless it is an integer >= 1 (branches per sequence)."""
+    if not is_int(budget) or budget < 1:  # type: ignore[operator]
+        raise ValueError(f"{name} must be an integer >= 1 (branches per sequence), got {budget!r}")
+    return int(budget)  # type: ignore[call-overload]
+
+
 class AcceptanceEstimator:
     """Online estimates of the acceptance rate a, the miss exponent r and the overall cache hit rate.
 

@@ -11,12 +11,8 @@ with the prompt and the sampling options, so "auto" re-estimates them online fro
 counters (`AcceptanceEstimator`). Unless the user fixes M, "auto" also steers M itself from the draft's own
 timing (`BudgetController`): as many branches as fit before the target's verification ends.
 
-"dynamic" drops the population model and plans every sequence's round on its own: the M outcomes (k, c) the
-draft finds likeliest for this speculation get the branches (`dynamic_branches`), with P(k) from the
-draft's probabilities of its drafts mapped to measured acceptance rates (``calibration.py``) and P(c | k) from
-the draft's distribution at k. A confident speculation puts its branches deep, an uncertain one on k = 0.
-Branches also stop drafting once their next token is worth less than the least likely branch's first
-(`keeps_drafting`), so the tree narrows with depth. M is steered by the same `BudgetController`.
+"dynamic" drops the population model and plans every sequence's round on its own from the draft's
+probabilities (``dynamic_fanout.py``); its budget M is steered by the same `BudgetController`.
 
 Everything here is pure Python (no torch): it runs on the critical path of every round and is unit tested
 with exact values.
@@ -28,9 +24,9 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
-from ssd.spec.ssd.estimator import AcceptanceEstimator, check_rate, is_int
+from ssd.spec.ssd.dynamic_fanout import DynamicFanOut
+from ssd.spec.ssd.estimator import AcceptanceEstimator, check_budget, check_rate, is_int
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +45,6 @@ def _check_lookahead(K: object) -> int:
     if not is_int(K) or K < 1:  # type: ignore[operator]
         raise ValueError(f"lookahead K must be an integer >= 1, got {K!r}")
     return int(K)  # type: ignore[call-overload]
-
-
-def check_budget(budget: object, name: str = "fan-out budget") -> int:
-    """`budget` as an int, or ValueError unless it is an integer >= 1 (branches per sequence)."""
-    if not is_int(budget) or budget < 1:  # type: ignore[operator]
-        raise ValueError(f"{name} must be an integer >= 1 (branches per sequence), got {budget!r}")
-    return int(budget)  # type: ignore[call-overload]
 
 
 @dataclass(frozen=True)
@@ -89,67 +78,7 @@ class FanOut:
         return list(self.values)
 
 
-@dataclass(frozen=True)
-class DynamicFanOut:
-    """A plan of `budget` branches that the fork spreads over (k, c) by the draft's own probabilities."""
-
-    budget: int
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "budget", check_budget(self.budget))
-
-
 FanOutPlan = list[int] | DynamicFanOut  # what one sequence's cache build is given
-
-
-class Outcome(NamedTuple):
-    """A possible result of verifying a speculation: k drafts accepted, then `token`; `weight` = its
-    probability as estimated when the branch for it was chosen."""
-
-    k: int
-    token: int
-    weight: float
-
-
-def dynamic_branches(
-    candidates: Sequence[Sequence[tuple[int, float]]], accept: Sequence[float], budget: int
-) -> list[Outcome]:
-    """The `budget` likeliest outcomes (k, c) of verifying a speculation of n = len(accept) drafts.
-
-    ``accept[i]``: the probability that the target accepts draft i + 1 once it reached it;
-    ``candidates[k]`` (k = 0..n): candidate tokens c with P(c | the round ends at k), most likely first (for
-    k < n the recovery tokens, which never include the rejected draft; for k = n the bonus tokens).
-    P(k) = accept[0] ... accept[k-1] (1 - accept[k]) (no last factor for k = n), and an outcome's weight is
-    P(k) P(c | k); outcomes of weight 0 get no branch. Returns the chosen outcomes ordered by k, then as
-    ranked in ``candidates``; equal weights go to the smaller k, then the better rank (deterministic).
-    """
-    n = len(accept)
-    if len(candidates) != n + 1:
-        raise ValueError(f"need candidates for k = 0..{n} ({n + 1} lists), got {len(candidates)}")
-    budget = check_budget(budget)
-    scored = []
-    reach = 1.0
-    for k, ranked in enumerate(candidates):
-        a = check_rate(f"acceptance of draft {k + 1}", accept[k]) if k < n else 0.0
-        stop = reach * (1.0 - a)
-        for rank, (token, prob) in enumerate(ranked):
-            weight = stop * check_rate("candidate probability", prob)
-            if weight > 0.0:
-                scored.append((-weight, k, rank, token))
-        reach *= a
-    chosen = sorted(sorted(scored)[:budget], key=lambda s: (s[1], s[2]))
-    return [Outcome(k, token, -neg_weight) for neg_weight, k, _, token in chosen]
-
-
-def keeps_drafting(weight: float, path_acceptance: float, marginal_weight: float) -> bool:
-    """Whether a dynamic branch drafts one more token (each branch drafts its first token regardless).
-
-    A branch's next token is worth its outcome's weight times the probability that its drafted tokens so
-    far are all accepted (`path_acceptance`); it is drafted while that is at least the weight of the least
-    likely branch the plan started (`marginal_weight`), whose first token was deemed worth a row. Likely
-    branches draft deep, unlikely ones stop after a token or two: the tree costs fewer rows than `budget`
-    full branches, and the budget controller turns the saving into more branches."""
-    return weight * path_acceptance >= marginal_weight
 
 
 def per_k_counts(branches: Sequence[tuple[int, ...]], K: int) -> list[int]:
