@@ -49,7 +49,7 @@ class SSDProposer:
         self.draft_build_time_s = 0.0  # total time the worker spent building speculation caches
         self.draft_build_branches = 0  # tree branches of those builds
         self.draft_builds = 0  # cache builds with at least one branch
-        self.draft_builds_cut_short = 0  # of those, builds stopped early because the next request was waiting
+        self.draft_builds_cut_short = 0  # of those, builds stopped early: the next request was waiting or due
         self.available = True
         self.failure: str | None = None
         self._told: dict[int, int] = {}  # seq_id -> tokens the worker has been sent

@@ -69,7 +69,7 @@ class BuildStats:
     seconds: float = 0.0
     num_branches: int = 0
     depth: int = 0  # tree steps run: tokens per branch (the longest lookahead unless cut short)
-    cut_short: bool = False  # the next request arrived first and the build stopped before its full depth
+    cut_short: bool = False  # stopped before its full depth: the next request was waiting or due
     fan_outs: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> F_0..F_K built (dynamic: as forked)
 
 

@@ -241,7 +241,7 @@ class SpeculationMsg(WireMessage):
     num_drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     cache_build_s: float = 0.0  # how long the worker's last cache build took
     cache_branches: int = 0  # tree branches of that build, all sequences together
-    cache_cut_short: int = 0  # 1 when that build stopped early because this request was already waiting
+    cache_cut_short: int = 0  # 1 when that build stopped early: this request was waiting or due
     serve_s: float = 0.0  # time the worker spent serving this request
 
     def _validate(self) -> None:
