@@ -229,6 +229,8 @@ def test_parse_dynamic():
     assert policy.plan(4) == policy.plan(0) == DynamicFanOut(10)
     policy.set_budget(13)
     assert policy.plan(2) == DynamicFanOut(13) and repr(policy) == "FanOutPolicy(K=4, dynamic, budget=13)"
+    with pytest.raises(ValueError, match="no fixed F_0..F_K"):
+        policy.current()
     assert parse_fan_out("dynamic", K=2, budget=5).plan(2) == DynamicFanOut(5)
     auto = parse_fan_out("auto", K=4, budget=6)
     assert auto.plan(1) == fold_fan_out(auto.current(), 1) and auto.plan(4) == auto.current()
@@ -511,3 +513,14 @@ def test_planner_steers_the_budget_of_auto_and_dynamic_policies_only():
     assert dynamic.plan(False, 1) == [3, 12, 0, 0, 0]  # a fixed plan folds the lengths a short filler cannot reach
     dynamic.observe_timing(build_s=0.05, idle_s=0.02)
     assert dynamic.plan(True, 2) == DynamicFanOut(11)  # the fork spreads it over the drafts there are
+
+
+def test_planner_feeds_only_auto_estimators():
+    from ssd.spec.ssd.worker import FanOutPlanner
+
+    planner = FanOutPlanner(_worker_config(fan_out="auto", fan_out_miss="dynamic"))
+    hit_version, miss_version = planner.hit.estimator.version, planner.miss.estimator.version
+    planner.observe(served_by_hit=True, k=2, num_drafts=4, hit=True, fan_out_k=3)
+    planner.observe(served_by_hit=False, k=0, num_drafts=0, hit=False, fan_out_k=5)
+    assert planner.hit.estimator.version == hit_version + 2  # the round and the lookup
+    assert planner.miss.estimator.version == miss_version  # a dynamic plan never reads it

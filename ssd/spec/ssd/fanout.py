@@ -165,11 +165,10 @@ class FanOutPolicy:
     """The fan-out to use now: fixed, "auto" (geometric allocation from an `AcceptanceEstimator`) or
     "dynamic" (per sequence, by the fork: `DynamicFanOut`).
 
-    Every policy owns an estimator (also for fixed fan-outs, so metrics and the fallback choice can read
-    a, r and the hit rate either way). Keep separate policies for rounds whose speculation came from the
-    cache (hits) and rounds served by the fallback (misses): their acceptance rates differ (a random
-    fallback is almost always rejected, so its auto allocation puts nearly everything on k = 0). Feed each
-    policy's estimator with the rounds it planned: `observe_round` for the verified round, and
+    Every policy owns an estimator; only "auto" reads it. Keep separate policies for rounds whose speculation
+    came from the cache (hits) and rounds served by the fallback (misses): their acceptance rates differ (a
+    random fallback is almost always rejected, so its auto allocation puts nearly everything on k = 0). Feed
+    an auto policy's estimator with the rounds it planned: `observe_round` for the verified round, and
     `observe_lookup(F_k, hit)` for the lookup of the cache that policy's allocation built.
     """
 
@@ -211,8 +210,10 @@ class FanOutPolicy:
         return self.fixed is None
 
     def current(self) -> list[int]:
-        """F_0..F_K for the next cache build (a fresh list; callers may keep or modify it). A dynamic policy
-        plans per sequence (`plan`); here it answers with the geometric allocation of its budget."""
+        """F_0..F_K for the next cache build (a fresh list; callers may keep or modify it); a dynamic policy
+        has none (its plans are per sequence: `plan`)."""
+        if self.dynamic:
+            raise ValueError("a dynamic fan-out has no fixed F_0..F_K: the fork plans each sequence (plan())")
         if self.fixed is not None:
             return self.fixed.as_list()
         version = self.estimator.version

@@ -105,8 +105,12 @@ class FanOutPlanner:
             policy.set_budget(budget)
 
     def observe(self, served_by_hit: bool, k: int, num_drafts: int, hit: bool, fan_out_k: int) -> None:
-        """The policy that planned the cache just looked up learns from the round and the lookup."""
-        estimator = (self.hit if served_by_hit else self.miss).estimator
+        """The policy that planned the cache just looked up learns from the round and the lookup, if it is an
+        "auto" one (fixed and dynamic plans do not read the estimates)."""
+        policy = self.hit if served_by_hit else self.miss
+        if not policy.is_auto:
+            return
+        estimator = policy.estimator
         estimator.observe_round(num_drafts, k)
         if fan_out_k > 0:  # no candidates were built for this k: the lookup says nothing about r
             estimator.observe_lookup(fan_out_k, hit)
@@ -216,7 +220,6 @@ def _build(engine: DraftEngine, planner: FanOutPlanner, served: dict[int, tuple[
     prompt is a speculation with no drafts, planned like a round not served from the cache (so a geometric
     plan folds its whole budget onto k = 0). With interruptible builds (a ``clock``), a waiting message or the
     next request's due time ends the build early (``BuildClock``). Records what was built in ``last_plan``."""
-    served = dict(served)
     for seq_id in first_round:
         served.setdefault(seq_id, (False, 0))  # one that was served already holds that speculation now
     first_round.clear()
