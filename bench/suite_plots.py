@@ -35,12 +35,13 @@ def plot_tok_s(tok_s: dict[str, dict[str, float | None]], path: Path, title: str
     """Grouped bars: x = prompt set, one bar per configuration (``tok_s[dataset][config]``)."""
     plt = _pyplot()
     datasets = list(tok_s)
-    configs = list(dict.fromkeys(c for d in tok_s.values() for c in d))  # first-seen order (ar, sd, ssd-*, hf)
+    configs = list(dict.fromkeys(c for d in tok_s.values() for c in d))  # first-seen order (ar, sd, ssd-*, hf, vllm)
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(configs) * len(datasets) / 2), 4))
     width = 0.8 / max(len(configs), 1)
+    colors = plt.get_cmap("tab20").colors  # distinct colours for up to 20 configurations (tab10 repeats at 11)
     for i, config in enumerate(configs):
         xs = [j + i * width for j in range(len(datasets))]
-        ax.bar(xs, [tok_s[d].get(config) or 0.0 for d in datasets], width, label=config)
+        ax.bar(xs, [tok_s[d].get(config) or 0.0 for d in datasets], width, label=config, color=colors[i % 20])
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(datasets))], datasets)
     ax.set_ylabel("decode tok/s (median)")
     ax.set_title(title)
@@ -113,6 +114,7 @@ def write_plots(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     batch = result["args"]["batch_sizes"][0]
     per_ds = result.get("per_dataset", {})
+    vllm = (result.get("vllm") or {}).get("per_dataset", {})  # peers measured at batch 1 on the target's cores
     paths: list[Path] = []
     for layout in ("extra-device", "same-hardware"):
         tok = {}
@@ -123,6 +125,9 @@ def write_plots(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
             if hf and batch == 1 and layout == "extra-device":
                 tok[ds]["hf"] = hf["plain_decode_tok_s"]
                 tok[ds]["hf-assisted"] = hf["assisted_decode_tok_s"]
+            if ds in vllm and batch == 1 and layout == "extra-device":
+                tok[ds]["vllm"] = vllm[ds]["ar_decode_tok_s"]
+                tok[ds]["vllm-sd"] = vllm[ds]["sd_decode_tok_s"]
         if any(tok.values()):
             paths.append(plot_tok_s(tok, out / f"tok_s_{layout}.png", f"decode tok/s, {layout}, batch {batch}"))
     hist: dict[str, list[int]] = {}

@@ -224,6 +224,20 @@ def test_plots_are_written(tmp_path: Path) -> None:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_tok_s_plot_includes_the_peers_at_batch_1_extra_device(tmp_path: Path, monkeypatch) -> None:
+    import suite_plots
+
+    drawn = {}
+    monkeypatch.setattr(suite_plots, "plot_tok_s", lambda tok, path, title: drawn.setdefault(path.name, tok) and path)
+    result = fake_result()
+    result["vllm"] = {"per_dataset": {"chat": {"ar_decode_tok_s": 8.0, "sd_decode_tok_s": 7.0}}}
+    suite_plots.write_plots(result, tmp_path)
+    assert drawn["tok_s_extra-device.png"]["chat"] == {"ar": 10, "sd": 12, "ssd-jit": 14, "hf": 9.0,
+                                                       "hf-assisted": 11.0, "vllm": 8.0, "vllm-sd": 7.0}
+    assert "vllm" not in drawn["tok_s_extra-device.png"]["code"]
+    assert "vllm" not in drawn["tok_s_same-hardware.png"]["chat"]
+
+
 # ----------------------------------------------------------------------------------------------- HF bridge
 def test_hf_assistant_with_reduced_vocabulary_predicts_in_target_ids(checkpoint_factory, tmp_path: Path) -> None:
     """A reduced-vocabulary draft, wrapped for transformers, reads target ids and returns target-id logits
