@@ -69,7 +69,14 @@ class VllmWorker:
     def wait_ready(self, timeout_s: float = 900.0) -> dict[str, Any]:
         """Wait for the worker to connect and build its engine; a worker that exits first is reported at once."""
         accepted: list[Connection] = []
-        thread = threading.Thread(target=lambda: accepted.append(self._listener.accept()), daemon=True)
+
+        def accept() -> None:
+            try:
+                accepted.append(self._listener.accept())
+            except OSError:  # the listener was closed: the worker never connected
+                pass
+
+        thread = threading.Thread(target=accept, daemon=True)
         thread.start()
         deadline = time.monotonic() + timeout_s
         while thread.is_alive() and not _exited(self._process.pid) and time.monotonic() < deadline:
