@@ -126,8 +126,10 @@ def write_plots(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
                 tok[ds]["hf"] = hf["plain_decode_tok_s"]
                 tok[ds]["hf-assisted"] = hf["assisted_decode_tok_s"]
             if ds in vllm and batch == 1 and layout == "extra-device":
-                tok[ds]["vllm"] = vllm[ds]["ar_decode_tok_s"]
-                tok[ds]["vllm-sd"] = vllm[ds]["sd_decode_tok_s"]
+                for key, value in vllm[ds].items():  # ar_decode_tok_s -> vllm, sd_... -> vllm-sd, ...
+                    if key.endswith("_decode_tok_s"):
+                        mode = key.removesuffix("_decode_tok_s")
+                        tok[ds]["vllm" if mode == "ar" else f"vllm-{mode}"] = value
         if any(tok.values()):
             paths.append(plot_tok_s(tok, out / f"tok_s_{layout}.png", f"decode tok/s, {layout}, batch {batch}"))
     hist: dict[str, list[int]] = {}

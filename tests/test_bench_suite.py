@@ -230,10 +230,12 @@ def test_tok_s_plot_includes_the_peers_at_batch_1_extra_device(tmp_path: Path, m
     drawn = {}
     monkeypatch.setattr(suite_plots, "plot_tok_s", lambda tok, path, title: drawn.setdefault(path.name, tok) and path)
     result = fake_result()
-    result["vllm"] = {"per_dataset": {"chat": {"ar_decode_tok_s": 8.0, "sd_decode_tok_s": 7.0}}}
+    result["vllm"] = {"per_dataset": {"chat": {"ar_decode_tok_s": 8.0, "sd_decode_tok_s": 7.0,
+                                               "ngram_decode_tok_s": 9.5, "sd_ttft_s": 0.1}}}
     suite_plots.write_plots(result, tmp_path)
     assert drawn["tok_s_extra-device.png"]["chat"] == {"ar": 10, "sd": 12, "ssd-jit": 14, "hf": 9.0,
-                                                       "hf-assisted": 11.0, "vllm": 8.0, "vllm-sd": 7.0}
+                                                       "hf-assisted": 11.0, "vllm": 8.0, "vllm-sd": 7.0,
+                                                       "vllm-ngram": 9.5}
     assert "vllm" not in drawn["tok_s_extra-device.png"]["code"]
     assert "vllm" not in drawn["tok_s_same-hardware.png"]["chat"]
 

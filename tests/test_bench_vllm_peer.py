@@ -57,8 +57,9 @@ def test_full_vocabulary_draft_predicts_like_the_reduced_draft(checkpoint_factor
 
 FAKE_VLLM = '''
 """A stand-in for vLLM's offline API: each output token is the prompt's length plus its index."""
+import os
+
 __version__ = "0.0-test"
-CALLS = {"drafts": 0}
 
 
 class SamplingParams:
@@ -85,6 +86,11 @@ class LLM:
     def __init__(self, model, dtype, max_model_len, speculative_config, enable_prefix_caching, disable_log_stats):
         self.spec = speculative_config
         self.rounds = 0
+        spec = speculative_config or {}
+        seen = ":".join(str(spec[k]) for k in ("method", "num_speculative_tokens", "prompt_lookup_min",
+                                               "prompt_lookup_max") if k in spec) or "None"
+        with open(os.environ["FAKE_VLLM_SEEN"], "a") as f:
+            f.write(seen + "\\n")
 
     def generate(self, prompts, params, use_tqdm=True):
         self.rounds += params.max_tokens
@@ -99,11 +105,18 @@ class LLM:
 '''
 
 
+SEEN_SPECS: Path
+
+
 def fake_vllm_env(tmp_path: Path, monkeypatch) -> None:
+    """Workers import the stand-in package; each engine appends its speculative config to ``SEEN_SPECS``."""
+    global SEEN_SPECS
     package = tmp_path / "fake" / "vllm"
     package.mkdir(parents=True)
     (package / "__init__.py").write_text(textwrap.dedent(FAKE_VLLM))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    SEEN_SPECS = tmp_path / "specs.txt"
+    monkeypatch.setenv("FAKE_VLLM_SEEN", str(SEEN_SPECS))
 
 
 def config(python: str = sys.executable) -> vllm_peer.VllmConfig:
@@ -112,8 +125,9 @@ def config(python: str = sys.executable) -> vllm_peer.VllmConfig:
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="a real vLLM is installed here")
 def test_worker_without_vllm_fails_with_its_traceback(checkpoint_factory) -> None:
-    worker = vllm_peer.VllmWorker("vllm", config(), dict(model=str(checkpoint_factory("llama")), draft=None, k=4,
-                                                         dtype="bfloat16", max_model_len=256, warmup_prompt=[1, 2]))
+    worker = vllm_peer.VllmWorker("vllm", config(), dict(model=str(checkpoint_factory("llama")), method=None,
+                                                         draft=None, k=4, dtype="bfloat16", max_model_len=256,
+                                                         warmup_prompt=[1, 2]))
     with pytest.raises(WorkerError, match="No module named 'vllm'"):
         try:
             worker.wait_ready(timeout_s=120)
@@ -122,25 +136,27 @@ def test_worker_without_vllm_fails_with_its_traceback(checkpoint_factory) -> Non
 
 
 def test_measure_and_summarise_with_a_stand_in_vllm(checkpoint_factory, tmp_path: Path, monkeypatch) -> None:
-    """Both workers start, connect back, generate (two calls per prompt), report counters and close; the summary
-    turns the runs into medians, an acceptance length and the ratios of our numbers to vLLM's."""
+    """Every mode's worker starts, connects back, generates (two calls per prompt), reports counters and closes;
+    the summary turns the runs into medians, acceptance lengths and the ratios of our numbers to vLLM's."""
     fake_vllm_env(tmp_path, monkeypatch)
     model = str(checkpoint_factory("llama"))
     sets = {"code": [[1, 2, 3], [4, 5]], "chat": [[7, 8, 9, 10]]}
     measured = vllm_peer.measure_vllm(config(), model, model, k=4, sets=sets, output_len=6, repeats=2)
     runs = measured["runs"]
-    assert set(runs) == {"code", "chat"} and set(runs["code"]) == {vllm_peer.VLLM_AR, vllm_peer.VLLM_SD}
+    assert set(runs) == {"code", "chat"} and set(runs["code"]) == set(vllm_peer.MODES)
     first = runs["code"][vllm_peer.VLLM_AR][0]
     assert first["tokens"] == [[3, 4, 5, 6, 7, 8], [2, 3, 4, 5, 6, 7]]
     assert first["decode_tokens"] == 2 * 5 and first["spec"] == {}
     sd = runs["chat"][vllm_peer.VLLM_SD][1]
     # the stand-in counts one draft round per requested token: 1 + 6 per prompt, 2 accepted per round
     assert sd["spec"] == {"num_drafts": 7.0, "num_draft_tokens": 28.0, "num_accepted_tokens": 14.0}
-    assert measured["describe"][vllm_peer.VLLM_SD]["speculative"] is True
-    assert measured["describe"][vllm_peer.VLLM_AR]["vllm_version"] == "0.0-test"
+    described = measured["describe"]
+    assert [described[name]["method"] for name in vllm_peer.MODES] == [None, "draft_model", "ngram"]
+    assert described[vllm_peer.VLLM_AR]["vllm_version"] == "0.0-test"
+    assert SEEN_SPECS.read_text().split() == ["None", "draft_model:4", "ngram:4:2:8"]
 
     for ds in runs:  # fixed speeds, so the ratios are exact
-        for mode, rate in ((vllm_peer.VLLM_AR, 40.0), (vllm_peer.VLLM_SD, 50.0)):
+        for mode, rate in ((vllm_peer.VLLM_AR, 40.0), (vllm_peer.VLLM_SD, 50.0), (vllm_peer.VLLM_NGRAM, 45.0)):
             for run in runs[ds][mode]:
                 run["decode_tok_s"] = rate
     ours = {"code": {"ar": 60.0, "sd": 55.0, "ssd": 100.0}, "chat": {"ar": 40.0, "sd": 50.0, "ssd": 25.0}}
@@ -151,6 +167,8 @@ def test_measure_and_summarise_with_a_stand_in_vllm(checkpoint_factory, tmp_path
     assert code["ssd_over_vllm_sd"] == pytest.approx(2.0) and code["ssd_over_vllm_best"] == pytest.approx(2.0)
     assert chat["ssd_over_vllm_best"] == pytest.approx(0.5)
     assert code["sd_mean_acceptance_length"] == pytest.approx(3.0)
+    assert code["ngram_mean_acceptance_length"] == pytest.approx(3.0) and code["ngram_decode_tok_s"] == 45.0
+    assert "ar_mean_acceptance_length" not in code and code["sd_equals_vllm_ar"] is True
     assert code["ar_agreeing_prefix_vs_our_ar"] == [2, 6] and chat["ar_agreeing_prefix_vs_our_ar"] == []
     assert summary["ssd_over_vllm_sd"] == pytest.approx(1.0)  # geometric mean of 2.0 and 0.5
     assert summary["ar_over_vllm_ar"] == pytest.approx((1.5 * 1.0) ** 0.5)
