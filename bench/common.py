@@ -252,6 +252,21 @@ class WorkerError(RuntimeError):
     pass
 
 
+def receive_reply(conn, who: str, timeout_s: float, context: Callable[[], str] = str) -> Any:
+    """A worker's ``("ok", payload)`` reply, as the payload. ``WorkerError`` when it does not answer in time, dies,
+    or answers ``("error", traceback)``; ``context()`` adds what the caller knows (an exit code, a log tail) to the
+    first two."""
+    if not conn.poll(timeout_s):
+        raise WorkerError(f"{who} did not answer within {timeout_s:.0f} s{context()}")
+    try:
+        status, payload = conn.recv()
+    except EOFError as exc:
+        raise WorkerError(f"{who} died{context()}") from exc
+    if status == "error":
+        raise WorkerError(f"{who} failed:\n{payload}")
+    return payload
+
+
 class Worker:
     """Parent-side handle of one configuration's process."""
 
@@ -276,15 +291,11 @@ class Worker:
         return self.call("__rss__")
 
     def _receive(self, timeout_s: float) -> Any:
-        if not self._conn.poll(timeout_s):
-            raise WorkerError(f"worker {self.spec.name} did not answer within {timeout_s:.0f} s")
-        try:
-            status, payload = self._conn.recv()
-        except EOFError as exc:
-            raise WorkerError(f"worker {self.spec.name} died (exit code {self._process.exitcode})") from exc
-        if status == "error":
-            raise WorkerError(f"worker {self.spec.name} failed:\n{payload}")
-        return payload
+        def exit_code() -> str:
+            code = self._process.exitcode
+            return "" if code is None else f" (exit code {code})"
+
+        return receive_reply(self._conn, f"worker {self.spec.name}", timeout_s, exit_code)
 
     def close(self) -> None:
         if self._process is None:

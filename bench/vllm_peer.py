@@ -26,7 +26,8 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
 
-from common import WorkerError, available_cpus, common_prefix_len, median, print_table, proc_peak_rss_mib, ratio
+from common import (WorkerError, available_cpus, common_prefix_len, median, print_table, proc_peak_rss_mib, ratio,
+                    receive_reply)
 from suite_summary import EXTRA, geomean
 from vllm_worker import AUTHKEY_ENV
 
@@ -94,15 +95,7 @@ class VllmWorker:
         return self._receive(timeout_s)
 
     def _receive(self, timeout_s: float) -> Any:
-        if not self._conn.poll(timeout_s):
-            raise WorkerError(f"{self.name} did not answer within {timeout_s:.0f} s:\n{self.log_tail()}")
-        try:
-            status, payload = self._conn.recv()
-        except EOFError as exc:
-            raise WorkerError(f"{self.name} died:\n{self.log_tail()}") from exc
-        if status == "error":
-            raise WorkerError(f"{self.name} failed:\n{payload}")
-        return payload
+        return receive_reply(self._conn, self.name, timeout_s, lambda: f":\n{self.log_tail()}")
 
     def peak_rss_mib(self) -> float | None:
         """Peak RSS of the worker and its live descendants (vLLM's engine core and model worker), summed."""
