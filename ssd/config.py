@@ -33,7 +33,7 @@ def parse_bytes(value: int | float | str) -> int:
     return result
 
 
-SPEC_METHODS = ("draft_model", "ssd")
+SPEC_METHODS = ("draft_model", "ssd", "ngram")  # ngram: prompt lookup alone, no draft model
 
 
 @dataclass
@@ -92,7 +92,12 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative method {self.method!r} is not supported; choose one of {SPEC_METHODS}")
-        if not self.model:
+        if self.method == "ngram":
+            if self.model:
+                raise ValueError("method 'ngram' drafts with prompt lookup alone; leave 'model' unset")
+            if not self.prompt_lookup:
+                raise ValueError("method 'ngram' drafts with prompt lookup only; it needs prompt_lookup=True")
+        elif not self.model:
             raise ValueError("speculative_config needs 'model': the path of the draft checkpoint")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")

@@ -332,6 +332,18 @@ def test_cli_generate_json_with_draft(paths, capsys):
     assert all(line["num_tokens"] == 6 and line["finish_reason"] == "length" for line in lines)
 
 
+def test_cli_generate_with_ngram_needs_no_draft(paths, capsys):
+    """``--method ngram`` speculates without ``--draft`` and prints what plain decoding prints."""
+    argv = ["generate", "--model", paths["target"], "--prompt", PROMPTS[0], "--max-tokens", "12", "--dtype", "float32",
+            "--kv-cache-memory", "4MiB", "--ignore-eos", "--json", "--k", "3"]
+    lines = []
+    for extra in ([], ["--method", "ngram"]):
+        assert cli_main(argv + extra) == 0
+        (line,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        lines.append(line)
+    assert lines[0] == lines[1] and lines[1]["num_tokens"] == 12
+
+
 def test_cli_reports_bad_model_path(tmp_path, capsys):
     assert cli_main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "hi", "--dtype", "float32"]) == 1
     assert "does not exist" in capsys.readouterr().err

@@ -81,13 +81,21 @@ def models(checkpoint_factory, tmp_path_factory):
     return get
 
 
+NGRAM = "ngram"  # as ``draft``: method "ngram", prompt lookup alone
+
+
 def make_llm(model: str, draft: str | None = None, k: int = 3, prompt_lookup: bool = True,
              draft_weight_format: str = "auto", adaptive_lookahead: bool = False,
              prompt_step_speculation: bool | None = None, **kwargs) -> LLM:
     """An engine on the test models; ``prompt_step_speculation=None`` keeps the engine's default."""
     options = dict(dtype="float32", kv_cache_memory="16MiB", max_model_len=MAX_LEN, block_size=BLOCK, seed=0)
     options.update(kwargs)
-    if draft is not None:
+    if draft == NGRAM:
+        spec = {"method": NGRAM, "num_speculative_tokens": k, "adaptive_lookahead": adaptive_lookahead}
+        if prompt_step_speculation is not None:
+            spec["prompt_step_speculation"] = prompt_step_speculation
+        options["speculative_config"] = spec
+    elif draft is not None:
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": k, "prompt_lookup": prompt_lookup,
                 "draft_weight_format": draft_weight_format, "adaptive_lookahead": adaptive_lookahead}
         if prompt_step_speculation is not None:
@@ -101,7 +109,7 @@ def assert_all_released(llm: LLM) -> None:
     assert not engine.requests and not engine.has_unfinished()
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_total_blocks
     proposer = engine.proposer
-    if proposer is not None:
+    if proposer is not None and hasattr(proposer, "mirrors"):  # an ngram proposer has no draft KV
         assert proposer.mirrors == {}
         assert proposer.kv_manager.num_free_blocks == proposer.kv_manager.num_total_blocks
 
@@ -163,6 +171,32 @@ def test_greedy_sd_equals_ar(models, ar_greedy, draft, k):
     else:
         assert stats.acceptance_rate < 0.1
     assert_all_released(llm)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_ngram_equals_ar(models, ar_greedy, k, adaptive):
+    """Prompt lookup alone (method "ngram"): the random target repeats itself, so copies are proposed, some
+    accepted, and rounds where nothing matched decode plainly; the tokens are AR's."""
+    llm = make_llm(models("target"), NGRAM, k=k, max_num_seqs=8, adaptive_lookahead=adaptive)
+    outputs = llm.generate(GREEDY_PROMPTS, GREEDY_PARAMS)
+    _check_greedy(outputs, ar_greedy, range(8))
+    stats = llm.stats
+    assert all(o.speculation == NGRAM for o in outputs)
+    assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens == stats.num_copied_tokens
+    assert stats.num_drafts > 0 and stats.num_emitted_tokens == stats.num_accepted_tokens + stats.num_drafts
+    assert llm.engine.proposer._lookups == {}
+    assert_all_released(llm)
+
+
+def test_ngram_config_errors():
+    from ssd.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="prompt lookup alone; leave 'model' unset"):
+        SpeculativeConfig(method=NGRAM, model="some/draft")
+    with pytest.raises(ValueError, match="needs prompt_lookup=True"):
+        SpeculativeConfig(method=NGRAM, prompt_lookup=False)
+    assert SpeculativeConfig(method=NGRAM).model is None
 
 
 @pytest.mark.parametrize("draft", ["close", "random"])
@@ -389,6 +423,7 @@ SAMPLING_CASES = {
     "top_k5": SamplingCase(SamplingParams(temperature=1.0, top_k=5), "small_close"),
     "top_p0.8_far_draft": SamplingCase(SamplingParams(temperature=0.9, top_p=0.8), "small_far"),
     "top_k_top_p_temp0.8": SamplingCase(SamplingParams(temperature=0.8, top_k=12, top_p=0.9), "small_far"),
+    "ngram_temp0.9": SamplingCase(SamplingParams(temperature=0.9), NGRAM),
     "ar_control": SamplingCase(SamplingParams(temperature=1.0), None),
 }
 
@@ -431,7 +466,7 @@ def test_sampled_distribution_is_exact(models, small_hf, case_name):
     greedy_rows = set(range(7, len(params), 10)) if case.mix_greedy else set()
     for i in greedy_rows:
         params[i] = dataclasses.replace(base, temperature=0.0, seed=seed0 + i)
-    draft = models(case.draft) if case.draft is not None else None
+    draft = models(case.draft) if case.draft not in (None, NGRAM) else case.draft
     llm = make_llm(
         models("small_target"), draft, k=3, max_num_seqs=512, max_num_batched_tokens=8192, max_model_len=128,
         prompt_lookup=case.prompt_lookup, prompt_step_speculation=case.prompt_lookup,
@@ -448,7 +483,11 @@ def test_sampled_distribution_is_exact(models, small_hf, case_name):
     pvalue = chi_square_pvalue(samples, partition)
     assert pvalue > ALPHA, f"{case_name}: samples do not follow the target distribution (p = {pvalue:.3g})"
 
-    if draft is not None:  # speculation really happened, with both outcomes
+    if draft == NGRAM:  # copies were proposed, some accepted, some rejected
+        assert all(o.speculation == NGRAM for o in outputs)
+        stats = llm.stats
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens == stats.num_copied_tokens
+    elif draft is not None:  # speculation really happened, with both outcomes
         assert all(o.speculation == "draft_model" for o in outputs)
         assert 0.02 < llm.stats.acceptance_rate < 0.95
         histogram = llm.stats.acceptance_histogram

@@ -39,7 +39,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     s = parser.add_argument_group("speculative decoding")
     s.add_argument("--draft", default=None, help="draft checkpoint folder; enables speculation")
-    s.add_argument("--method", default="ssd", choices=["ssd", "draft_model"], help="with --draft (default ssd)")
+    s.add_argument("--method", default="ssd", choices=["ssd", "draft_model", "ngram"],
+                   help="with --draft (default ssd); ngram (prompt lookup alone) needs no --draft")
     s.add_argument("--k", type=int, default=4, help="draft tokens per round (lookahead K)")
     s.add_argument("--adaptive-lookahead", action="store_true",
                    help="choose each round's K in 0..--k from measured acceptance and step times (SSD still caches K)")
@@ -96,7 +97,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed,
     )
-    if args.draft:
+    if args.draft or args.method == "ngram":
         spec: dict[str, Any] = dict(
             method=args.method, model=args.draft, num_speculative_tokens=args.k,
             prompt_lookup=not args.no_prompt_lookup, prompt_lookup_min=args.prompt_lookup_min,

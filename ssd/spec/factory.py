@@ -83,6 +83,10 @@ def build_proposer(engine: "LLMEngine"):
         runner, manager, usable = load_draft_runner(engine, spec.num_speculative_tokens)
         distribution = DraftDistribution.for_runner(runner, engine.runner.vocab_size, usable)
         return DraftModelProposer(runner, manager, distribution, engine.default_generator, spec.lookup)
+    if spec.method == "ngram":
+        from ssd.spec.ngram_proposer import NgramProposer
+
+        return NgramProposer(engine.runner.vocab_size, spec.lookup)
     if spec.method == "ssd":
         from ssd.spec.ssd.factory import build_ssd_proposer
 
