@@ -12,7 +12,7 @@ from ssd.config import SpeculativeConfig
 from ssd.outputs import SpecStats
 from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution
-from ssd.spec.lookup import MAX_CANDIDATES, LookupConfig, PromptLookup
+from ssd.spec.lookup import MAX_CANDIDATES, LookupConfig, PromptLookup, copied_run
 from ssd.spec.ssd.protocol import SpeculationMsg, decode_message
 
 
@@ -122,3 +122,12 @@ def test_speculation_message_carries_copied_flags():
     with pytest.raises(Exception, match="copied"):
         SpeculationMsg(3, np.array([[5, 6]]), [True], [0], [], np.zeros((0, 2, 4), np.float32),
                        copied=np.array([[True]]))
+
+
+def test_copied_run_copies_until_no_match_or_limit():
+    tokens = [5, 6, 7, 8, 9, 1, 5, 6]  # the suffix 5 6 occurred before, followed by 7 8 9 1 5 6 ...
+    lookup = PromptLookup(tokens, min_n=2, max_n=8)
+    assert copied_run(lookup, 3) == [7, 8, 9]
+    assert copied_run(lookup, 0) == []
+    assert copied_run(PromptLookup([1, 2, 3, 4]), 5) == []  # no earlier match
+    assert copied_run(None, 4) == []  # prompt lookup off

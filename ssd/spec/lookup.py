@@ -44,6 +44,15 @@ def copied_token(lookup: "PromptLookup | None", tail: Sequence[int] = ()) -> int
     return None if lookup is None else lookup.propose(tail)
 
 
+def copied_run(lookup: "PromptLookup | None", limit: int) -> list[int]:
+    """Up to ``limit`` tokens copied one after another (each lookup sees the copies before it), stopping at the
+    first position without an earlier match; empty where prompt lookup is off."""
+    tokens: list[int] = []
+    while len(tokens) < limit and (token := copied_token(lookup, tokens)) is not None:
+        tokens.append(token)
+    return tokens
+
+
 class PromptLookup:
     def __init__(self, tokens: list[int], min_n: int = 2, max_n: int = 8) -> None:
         self.tokens = tokens  # shared with the sequence; only ever appended to

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ssd.core.sequence import Sequence
-from ssd.spec.lookup import LookupConfig, PromptLookup
+from ssd.spec.lookup import LookupConfig, PromptLookup, copied_run
 from ssd.spec.proposal import Proposal, ProposalRequest, VerifiedRound
 
 
@@ -37,12 +37,7 @@ class NgramProposer:
         """Nothing to prefill."""
 
     def propose(self, requests: list[ProposalRequest]) -> Proposal:
-        rows = []
-        for request in requests:
-            lookup, tokens = self._lookup_for(request.seq), []
-            while len(tokens) < request.num_drafts and (token := lookup.propose(tokens)) is not None:
-                tokens.append(token)
-            rows.append(tokens)
+        rows = [copied_run(self._lookup_for(r.seq), r.num_drafts) for r in requests]
         width = max([len(t) for t in rows] + [1])
         draft_tokens = torch.zeros(len(rows), width, dtype=torch.long)  # [B, K]
         draft_probs = torch.zeros(len(rows), width, self.vocab_size)  # [B, K, V] one-hot at each copy

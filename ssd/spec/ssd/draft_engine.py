@@ -45,7 +45,7 @@ from ssd.executor.model_runner import ModelRunner
 from ssd.sample.saguaro import saguaro_scale
 from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution, draft_sequentially
-from ssd.spec.lookup import LookupConfig
+from ssd.spec.lookup import LookupConfig, copied_run
 from ssd.spec.ssd.calibration import AcceptanceCalibration
 from ssd.spec.ssd.draft_state import (
     BuildStats,
@@ -207,12 +207,7 @@ class DraftEngine:
         """Up to ``num_drafts`` tokens with a one-hot q and no model call: what prompt lookup copies from the
         context as long as it finds a match (possibly nothing), then the pending token repeated up to
         ``num_drafts`` if ``pad_filler``."""
-        tokens: list[int] = []
-        while len(tokens) < num_drafts:
-            token = state.copy(tokens)
-            if token is None:
-                break
-            tokens.append(token)
+        tokens = copied_run(state.lookup, num_drafts)
         copied = [True] * len(tokens)
         if self.pad_filler:
             copied += [False] * (num_drafts - len(tokens))
