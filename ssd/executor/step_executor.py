@@ -152,9 +152,10 @@ class StepExecutor:
         for i, (_, first, row) in enumerate(spec_seqs):
             k = proposal.num_drafts[row]
             target_probs[i, : k + 1] = probs[first : first + k + 1]
-        proposal_rows = torch.tensor([row for _, _, row in spec_seqs], device=probs.device)
-        draft_probs = proposal.draft_probs[proposal_rows, :max_k]  # [B, K, V]
-        draft_tokens = proposal.draft_tokens[proposal_rows, :max_k]  # [B, K]
+        # The proposal lives where its proposer made it (the draft's device, or the host for SSD's replies).
+        proposal_rows = [row for _, _, row in spec_seqs]
+        draft_probs = proposal.draft_probs[_index(proposal_rows, proposal.draft_probs), :max_k]  # [B, K, V]
+        draft_tokens = proposal.draft_tokens[_index(proposal_rows, proposal.draft_tokens), :max_k]  # [B, K]
         seqs = [seq for seq, _, _ in spec_seqs]
         greedy = torch.tensor([seq.sampling_params.is_greedy for seq in seqs], device=probs.device)
         outcome = verify(
@@ -198,3 +199,8 @@ def _ban_tokens(logits: torch.Tensor, bans: list[tuple[int, list[int]]]) -> None
     for row, token_ids in bans:
         if token_ids:
             logits[row, token_ids] = float("-inf")
+
+
+def _index(rows: list[int], tensor: torch.Tensor) -> torch.Tensor:
+    """``rows`` as an index tensor on ``tensor``'s device."""
+    return torch.tensor(rows, dtype=torch.long, device=tensor.device)
