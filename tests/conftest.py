@@ -8,13 +8,20 @@ Treat the returned folders as read-only: other tests share them.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from checkpoints import make_checkpoint
+
+if not torch.cuda.is_available():
+    # Without a GPU, Triton kernels (tests/test_fused_kernels.py) run in Triton's interpreter on CPU tensors.
+    # Triton reads this when it is first imported, and it must stay set while kernels run.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,7 @@ class RunnerArgs:
     kv_cache_fraction: float
     max_num_seqs: int
     weight_format: str = DENSE  # resolved by EngineConfig (ssd/models/weight_formats.py)
+    fused_kernels: bool = True  # EngineConfig.fused_kernels
 
     @classmethod
     def from_config(cls, config: "EngineConfig") -> "RunnerArgs":
@@ -49,6 +50,7 @@ class RunnerArgs:
             kv_cache_fraction=config.kv_cache_fraction,
             max_num_seqs=config.max_num_seqs,
             weight_format=config.weight_format,
+            fused_kernels=config.fused_kernels,
         )
 
 
@@ -89,6 +91,7 @@ def build_runner(
         tp=tp,
         graphs=graphs,
         weight_format=args.weight_format,
+        fused_kernels=args.fused_kernels,
     )
 
 

@@ -95,11 +95,21 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend over each sequence's slots. Returns ``[T, H, D]``."""
-    if isinstance(meta, DenseAttentionMetadata):  # a host-side type check, not a device value
-        return dense_paged_attention(query, key, value, cache, meta, scale)
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[1]
     write_kv(cache, key, value, meta.slot_mapping)
+    return attend_cached(query, cache, meta, scale)
+
+
+def attend_cached(
+    query: torch.Tensor,  # [T, H, D]
+    cache: KVCache,
+    meta: AttentionMetadata | DenseAttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention over each sequence's slots, this step's K/V already in the cache. Returns ``[T, H, D]``."""
+    if isinstance(meta, DenseAttentionMetadata):  # a host-side type check, not a device value
+        return dense_attention(query, cache, meta, scale)
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = cache.key.shape[-2]
 
     keys = gather_slots(cache.key, meta.kv_slots).transpose(1, 2)  # [B, Hkv, L, D]
     values = gather_slots(cache.value, meta.kv_slots).transpose(1, 2)  # [B, Hkv, L, D]
@@ -120,25 +130,22 @@ def paged_attention(
     return out[meta.out_index]  # [T, H, D]
 
 
-def dense_paged_attention(
+def dense_attention(
     query: torch.Tensor,  # [B*Q, H, D]
-    key: torch.Tensor,  # [B*Q, Hkv, D]
-    value: torch.Tensor,  # [B*Q, Hkv, D]
     cache: KVCache,
     meta: DenseAttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """:func:`paged_attention` over the fixed-shape layout; every shape depends only on ``(B, Q, L)``.
+    """:func:`attend_cached` over the fixed-shape layout; every shape depends only on ``(B, Q, L)``.
 
     The query heads sharing a KV head are packed as extra query rows of that head (``[B, Hkv, Q*G, D]``), so
     one plain SDPA call covers GQA without ``enable_gqa`` (which not every fused CUDA kernel accepts with a
     mask), and the mask is repeated per group row.
     """
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key.shape[1]
+    num_kv_heads = cache.key.shape[-2]
     group = num_heads // num_kv_heads
     batch, _, q_len, kv_len = meta.mask.shape
-    write_kv(cache, key, value, meta.slot_mapping)
 
     keys = gather_slots(cache.key, meta.kv_slots).transpose(1, 2)  # [B, Hkv, L, D]
     values = gather_slots(cache.value, meta.kv_slots).transpose(1, 2)  # [B, Hkv, L, D]

@@ -27,6 +27,7 @@ from ssd.executor.forward_items import ForwardItem, flatten_items
 from ssd.executor.memory import available_memory_bytes
 from ssd.models.arch import ModelArchConfig
 from ssd.models.draft_vocab import DraftVocab
+from ssd.models.decoder import fused_kernels_usable
 from ssd.models.loader import load_model
 from ssd.models.weight_formats import DENSE, PACKED_FORMATS, pack_weights
 
@@ -63,6 +64,7 @@ class ModelRunner:
         tp: "TensorParallelGroup | None" = None,
         graphs: GraphOptions | None = None,
         weight_format: str = DENSE,
+        fused_kernels: bool = True,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = torch_dtype(resolve_dtype(dtype, str(self.device)))
@@ -71,6 +73,9 @@ class ModelRunner:
         start = time.perf_counter()
         self.model, self.arch = load_model(model_path, dtype=self.dtype, device=self.device, tp=tp)
         self.model.eval()
+        if fused_kernels and fused_kernels_usable(self.device, self.model.head_dim):
+            self.model.enable_fused_kernels()
+            logger.info("fused Triton kernels on for %s", model_path)
         self.weight_format = weight_format
         if weight_format in PACKED_FORMATS:
             count = pack_weights(self.model, weight_format)

@@ -12,6 +12,8 @@ weight column-wise per shard (o_proj and down_proj are the row-wise halves).
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
 from typing import TYPE_CHECKING
 
@@ -19,7 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssd.executor.attention import AttentionMetadata, KVCache, paged_attention
+from ssd.executor.attention import (
+    AttentionMetadata,
+    DenseAttentionMetadata,
+    KVCache,
+    attend_cached,
+    paged_attention,
+)
 from ssd.models.arch import ModelArchConfig, RopeScaling
 from ssd.models.parallel import (
     LinearProduct,
@@ -35,7 +43,21 @@ from ssd.models.parallel import (
 from ssd.models.small_gemm import SmallRowMatmul
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from ssd.distributed.comm import TensorParallelGroup
+
+
+def fused_kernels_fit(head_dim: int) -> bool:
+    """The fused kernels' tiles need a power-of-two head size of at least 16."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def fused_kernels_usable(device: torch.device | str, head_dim: int) -> bool:
+    """Whether :meth:`DecoderLM.enable_fused_kernels` can run compiled: CUDA with Triton installed, and a head
+    size the kernels fit."""
+    return (torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None
+            and fused_kernels_fit(head_dim))
 
 
 class RMSNorm(nn.Module):
@@ -198,6 +220,29 @@ class Attention(nn.Module):
         out = paged_attention(q, k, v, cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, q_size))  # [T, hidden]
 
+    def fused_forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
+        kernels: "ModuleType",
+    ) -> torch.Tensor:
+        """:meth:`forward` with RoPE and the K/V cache write in one kernel, and attention over the fixed-shape
+        layout read straight from the cache (``kernels`` is :mod:`ssd.models.fused_kernels`)."""
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (H + 2*Hkv) * D]
+        d = self.head_dim
+        if self.q_norm is not None and self.k_norm is not None:  # per-head norms before RoPE (Qwen3)
+            q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+            q, _ = kernels.add_rms_norm(qkv[:, :q_size].reshape(-1, d), None, self.q_norm.weight, self.q_norm.eps)
+            k, _ = kernels.add_rms_norm(qkv[:, q_size : q_size + kv_size].reshape(-1, d), None, self.k_norm.weight,
+                                        self.k_norm.eps)
+            qkv = torch.cat([q.view(num_tokens, q_size), k.view(num_tokens, kv_size), qkv[:, q_size + kv_size :]], -1)
+        q = kernels.rope_write_kv(qkv, cos, sin, cache.key, cache.value, meta.slot_mapping,
+                                  self.num_heads, self.num_kv_heads, d)  # [T, H, D]
+        if isinstance(meta, DenseAttentionMetadata):  # fixed-shape steps: read K/V straight from the cache
+            out = kernels.dense_attention(q, cache.key, cache.value, meta.kv_slots, meta.mask, self.scale)
+        else:
+            out = attend_cached(q, cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * d))  # [T, hidden]
+
 
 class MLP(nn.Module):
     def __init__(
@@ -243,6 +288,19 @@ class DecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, meta)  # [T, hidden]
         return h + self.mlp(self.post_attention_layernorm(h))  # [T, hidden]
 
+    def fused_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+        cache: KVCache, meta: AttentionMetadata, kernels: "ModuleType",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` with each residual add fused into the norm after it: takes and returns the pair
+        ``(x, residual)`` whose sum is the hidden state (``residual`` None: ``x`` is)."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        normed, residual = kernels.add_rms_norm(x, residual, norm1.weight, norm1.eps)  # [T, hidden] each
+        attn = self.self_attn.fused_forward(normed, cos, sin, cache, meta, kernels)  # [T, hidden]
+        normed, residual = kernels.add_rms_norm(attn, residual, norm2.weight, norm2.eps)
+        mlp = self.mlp.down_proj(kernels.silu_mul(self.mlp.gate_up_proj(normed)))  # [T, hidden]
+        return mlp, residual
+
 
 class DecoderLM(nn.Module):
     """Causal LM over a flat batch of tokens with a paged KV cache.
@@ -269,6 +327,15 @@ class DecoderLM(nn.Module):
         self.lm_head = (
             None if cfg.tie_word_embeddings else VocabParallelHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         )
+        self.kernels: ModuleType | None = None  # fused_kernels once enable_fused_kernels() has run
+
+    def enable_fused_kernels(self, enabled: bool = True) -> None:
+        """Run norms, RoPE + K/V writes, SiLU and fixed-shape attention through fused Triton kernels
+        (ssd/models/fused_kernels.py); the caller checks :func:`fused_kernels_usable` (or runs Triton's
+        interpreter)."""
+        if enabled and not fused_kernels_fit(self.head_dim):
+            raise ValueError(f"fused kernels need a power-of-two head_dim >= 16, this model has {self.head_dim}")
+        self.kernels = importlib.import_module("ssd.models.fused_kernels") if enabled else None
 
     @property
     def num_layers(self) -> int:
@@ -323,6 +390,11 @@ class DecoderLM(nn.Module):
             raise ValueError(f"expected {self.num_layers} KV caches (one per layer), got {len(kv_caches)}")
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [T, 1, D/2] each
+        if self.kernels is not None:
+            residual = None
+            for layer, cache in zip(self.layers, kv_caches):
+                h, residual = layer.fused_forward(h, residual, cos, sin, cache, meta, self.kernels)
+            return self.kernels.add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]  # [T, hidden]
         for layer, cache in zip(self.layers, kv_caches):
             h = layer(h, cos, sin, cache, meta)  # [T, hidden]
         return self.norm(h)  # [T, hidden]

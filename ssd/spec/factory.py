@@ -70,6 +70,7 @@ def load_draft_runner(engine: "LLMEngine", extra_tokens_per_seq: int) -> tuple[M
         max_num_seqs=cfg.max_num_seqs,
         graphs=None if cfg.enforce_eager else GraphOptions(max_query_len=extra_tokens_per_seq + 1, compile=cfg.compile_model),
         weight_format=spec.draft_weight_format,
+        fused_kernels=cfg.fused_kernels,
     )
     manager = KVCacheManager(BlockPool(runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching))
     return runner, manager, usable

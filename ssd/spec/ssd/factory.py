@@ -50,6 +50,7 @@ def build_ssd_proposer(engine: "LLMEngine") -> SSDProposer:
         num_threads=spec.draft_threads,
         cpu_affinity=draft_cpus,
         log_level=logging.getLogger().level,
+        fused_kernels=cfg.fused_kernels,
         # A tree step decodes `budget` branch tokens per sequence and reads up to K + 1 + K * budget
         # scratch slots beyond the sequence's own.
         graphs=None if cfg.enforce_eager else GraphOptions(

@@ -60,6 +60,7 @@ class WorkerConfig:
     pad_filler: bool = False  # random fillers repeat the pending token up to K drafts (resolve_filler_padding)
     weight_format: str = DENSE  # resolved by EngineConfig: DENSE or FP16_PACKED (ssd/models/weight_formats.py)
     interruptible_build: bool = True  # a waiting request ends a cache build early (SpeculativeConfig)
+    fused_kernels: bool = True  # EngineConfig.fused_kernels
 
 
 def _pin(config: WorkerConfig) -> None:
@@ -74,7 +75,7 @@ def build_draft_engine(config: WorkerConfig) -> DraftEngine:
     runner = ModelRunner(
         config.model, config.dtype, config.device, config.block_size, config.max_model_len,
         kv_cache_memory=None, kv_cache_fraction=0.5, num_blocks=config.num_blocks,
-        graphs=config.graphs, weight_format=config.weight_format,
+        graphs=config.graphs, weight_format=config.weight_format, fused_kernels=config.fused_kernels,
     )
     kv = KVCacheManager(BlockPool(runner.num_blocks, config.block_size, config.enable_prefix_caching))
     dist = DraftDistribution.for_runner(runner, config.target_vocab_size, config.num_usable_tokens)
