@@ -94,3 +94,18 @@ def test_no_host_sync_check_runs(gpu_check, checkpoint_factory) -> None:
     finally:
         del model.forward
     assert not failed.passed and "reference" in failed.detail and "static" in failed.detail
+
+
+def test_a_part_that_raises_is_a_failed_check_and_the_rest_still_runs(gpu_check, tmp_path: Path, monkeypatch) -> None:
+    def broken(*args, **kwargs):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(gpu_check, "part_exactness", broken)
+    out = tmp_path / "gpu_check.json"
+    code = gpu_check.main(["--device", "cpu", "--tiny", "--skip", "spec", "--iters", "1", "--threads", "1",
+                           "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert code == 1 and not data["passed"]
+    [failed] = data["checks"]
+    assert failed["name"] == "part exactness ran to the end" and "capture failed" in failed["detail"]
+    assert data["timings"]  # the timing part ran after the failure
