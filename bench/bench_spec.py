@@ -149,10 +149,13 @@ def placements(args: argparse.Namespace, modes: tuple[str, ...] = MODES
 
 
 def speculative_config(mode: str, args: argparse.Namespace, draft: str) -> dict[str, Any] | None:
-    """The engine's ``speculative_config`` for a mode name: ``ar``, ``sd``, ``sd-adaptive``, ``ssd-<fallback>``
-    or ``ssd-adaptive`` (the auto fallback with an adaptive lookahead)."""
+    """The engine's ``speculative_config`` for a mode name: ``ar``, ``sd``, ``sd-adaptive``, ``ngram`` (prompt
+    lookup alone, no draft model), ``ssd-<fallback>`` or ``ssd-adaptive`` (the auto fallback with an adaptive
+    lookahead)."""
     if mode == "ar":
         return None
+    if mode == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": args.k}
     common = {"model": draft, "num_speculative_tokens": args.k, "prompt_lookup": getattr(args, "prompt_lookup", True),
               "draft_weight_format": args.draft_weight_format}
     if mode == "sd":

@@ -62,7 +62,7 @@ from suite_summary import (  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DRAFT = REPO / "models" / "smollm2-draft"
-ALL_MODES = ("ar", "sd", "sd-adaptive", "ssd-jit", "ssd-random", "ssd-auto", "ssd-adaptive")
+ALL_MODES = ("ar", "sd", "sd-adaptive", "ngram", "ssd-jit", "ssd-random", "ssd-auto", "ssd-adaptive")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -432,7 +432,8 @@ def report(result: dict[str, Any]) -> None:
     if head:
         keys = ["exact", "exact_main_dtype", "exact_main_dtype_min_agreeing_prefix", "sd_mean_acceptance_length",
                 "ssd_mean_acceptance_length", "ssd_cache_hit_rate", "ssd_over_ar", "ssd_over_sd", "sd_over_ar",
-                "ssd_over_best_same_hardware", "sd_over_hf_assisted", "ssd_over_hf_assisted", "hf_assisted_over_hf"]
+                "ssd_over_best_same_hardware", "sd_over_hf_assisted", "ssd_over_hf_assisted", "hf_assisted_over_hf",
+                "ngram_mean_acceptance_length", "ngram_over_ar", "ssd_over_ngram"]
         rows = [[k, head[k], *[head["by_dataset"][ds].get(k) for ds in head["by_dataset"]]] for k in keys]
         print_table(["headline", "all", *head["by_dataset"]], rows,
                     title=f"headline: batch {head['batch_size']}, SSD = {head['ssd_mode']} (ratios: paired medians, "

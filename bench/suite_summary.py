@@ -126,6 +126,10 @@ def dataset_headline(repeats: Sequence[TokS], rows: dict[str, dict[str, dict[str
         "ssd_over_ar": paired(repeats, run_key(EXTRA, ssd_mode, batch), [run_key(EXTRA, "ar", batch)]),
         "ssd_over_sd": paired(repeats, run_key(EXTRA, ssd_mode, batch), [run_key(EXTRA, "sd", batch)]),
         "sd_over_ar": paired(repeats, run_key(EXTRA, "sd", batch), [run_key(EXTRA, "ar", batch)]),
+        # the draft-free baseline (prompt lookup alone), when the run has it
+        "ngram_mean_acceptance_length": extra.get("ngram", {}).get("mean_acceptance_length"),
+        "ngram_over_ar": paired(repeats, run_key(EXTRA, "ngram", batch), [run_key(EXTRA, "ar", batch)]),
+        "ssd_over_ngram": paired(repeats, run_key(EXTRA, ssd_mode, batch), [run_key(EXTRA, "ngram", batch)]),
         "ssd_over_best_same_hardware": paired(repeats, run_key(SAME, ssd_mode, batch),
                                               [run_key(SAME, "ar", batch), run_key(SAME, "sd", batch)]),
         "sd_over_hf_assisted": None,
@@ -142,8 +146,9 @@ def dataset_headline(repeats: Sequence[TokS], rows: dict[str, dict[str, dict[str
 
 
 RATIO_KEYS = ("ssd_over_ar", "ssd_over_sd", "sd_over_ar", "ssd_over_best_same_hardware", "sd_over_hf_assisted",
-              "ssd_over_hf_assisted", "hf_assisted_over_hf")
-RATE_KEYS = ("sd_mean_acceptance_length", "ssd_mean_acceptance_length", "ssd_cache_hit_rate")
+              "ssd_over_hf_assisted", "hf_assisted_over_hf", "ngram_over_ar", "ssd_over_ngram")
+RATE_KEYS = ("sd_mean_acceptance_length", "ssd_mean_acceptance_length", "ssd_cache_hit_rate",
+             "ngram_mean_acceptance_length")
 
 
 def headline(by_dataset: dict[str, dict[str, Any]], exact: bool | None, exact_basis: str,

@@ -137,6 +137,25 @@ def test_dataset_headline_and_latest_json_keys() -> None:
     # transformers runs at batch 1 only: no ratio against it at another batch size
     c = ss.dataset_headline([{"extra-device/ar@b4": 1.0, "hf-assisted": 1.0}], fake_rows(1, 1, 0), 4, "ssd-jit")
     assert c["sd_over_hf_assisted"] is None and c["ssd_over_ar"] is None
+    assert a["ngram_over_ar"] is None and a["ssd_over_ngram"] is None  # no ngram run
+    reps = [dict(r, **{"extra-device/ngram@b1": 12.5}) for r in fake_repeats(1.0)]
+    rows = fake_rows(2.0, 2.5, 0.5)
+    rows["extra-device"]["ngram"] = {"mean_acceptance_length": 1.4}
+    d = ss.dataset_headline(reps, rows, 1, "ssd-jit")
+    assert d["ngram_over_ar"] == pytest.approx(1.25) and d["ssd_over_ngram"] == pytest.approx(1.6)
+    assert d["ngram_mean_acceptance_length"] == 1.4
+
+
+def test_ngram_mode_is_prompt_lookup_without_a_draft() -> None:
+    import argparse
+
+    from bench_spec import speculative_config
+
+    args = argparse.Namespace(k=3, draft_weight_format="auto")
+    assert speculative_config("ngram", args, "unused-draft") == {"method": "ngram", "num_speculative_tokens": 3}
+    import suite
+
+    assert "ngram" in suite.ALL_MODES
 
 
 # ----------------------------------------------------------------------------------------------- exactness
