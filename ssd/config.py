@@ -156,7 +156,7 @@ class EngineConfig:
     distributed_timeout_s: float = 300.0  # a collective stuck this long means a rank is gone
     enforce_eager: bool = False  # CUDA: never capture CUDA graphs (no effect on CPU)
     compile_model: bool = False  # CUDA: torch.compile the forward of graph-captured steps
-    fused_kernels: bool = True  # CUDA with Triton installed: fused norm, RoPE + K/V write and SiLU kernels
+    fused_kernels: bool = True  # CUDA with Triton: fused norm, RoPE + K/V write, SiLU and attention kernels
     speculative_config: SpeculativeConfig | dict[str, Any] | None = field(default=None)
 
     def __post_init__(self) -> None:

@@ -73,7 +73,8 @@ class ModelRunner:
         start = time.perf_counter()
         self.model, self.arch = load_model(model_path, dtype=self.dtype, device=self.device, tp=tp)
         self.model.eval()
-        if fused_kernels and fused_kernels_usable(self.device, self.model.head_dim):
+        compiled = graphs is not None and graphs.compile  # torch.compile fuses the PyTorch ops by itself
+        if fused_kernels and not compiled and fused_kernels_usable(self.device, self.model.head_dim):
             self.model.enable_fused_kernels()
             logger.info("fused Triton kernels on for %s", model_path)
         self.weight_format = weight_format
