@@ -24,6 +24,9 @@ Three parts, each printed and written to one JSON file:
     ``--profile`` the kernels of one target AR step. Step times are model forwards including host-side input
     preparation, synchronised per step, median of ``--iters``. Each timing row is printed as it is measured.
 
+(d) the engine's own cost: greedy decoding through ``LLM`` at batch 1 on a Llama-3.2-1B-shaped body against
+    the bare AR step of the same model (fused kernels and graphs, as the engine runs it).
+
 Targets (issue 8), judged on the fastest graph mode: AR step <= 1.3x floor; verify step <= 1.2x the AR step;
 all checks pass. Exit status 1 when a check fails; a part that raises becomes a failed check and the other
 parts still run.
@@ -104,6 +107,7 @@ class Report:
     targets: dict[str, Any] = field(default_factory=dict)
     profiles: dict[str, dict[str, Any]] = field(default_factory=dict)  # mode -> kernel breakdown of an AR step
     engine: dict[str, dict[str, Any]] = field(default_factory=dict)
+    engine_overhead: dict[str, Any] | None = None  # part (d)
 
     @property
     def passed(self) -> bool:
@@ -556,12 +560,50 @@ def print_profile(mode: str, prof: dict[str, Any]) -> None:
         print(f"    {row['ms']:8.3f} ms  x{row['count']:<5d} {row['name']}", flush=True)
 
 
+# ------------------------------------------------------------------------------------------- part (d)
+ENGINE_BODY = dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8)
+TINY_BODY = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+
+
+def part_engine(report: Report, work: Path, device: torch.device, args: argparse.Namespace) -> None:
+    """(d) Does the engine keep up with the device? Greedy decoding through ``LLM`` at batch 1 on a
+    Llama-3.2-1B-shaped body (the tiny checkpoints' 512-token vocabulary, so their tokenizer fits), against the
+    bare AR step of the same model as part (c) times it (fused kernels and graphs as the engine uses them)."""
+    from checkpoints import make_checkpoint
+
+    from ssd import LLM, SamplingParams
+    from ssd.models.loader import load_model
+
+    path = make_checkpoint(work / "engine_model", "llama", **(TINY_BODY if args.tiny else ENGINE_BODY))
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    new = 12 if args.tiny else 96
+    prompt = _gen_prompts(1, 500)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    with LLM(str(path), device=str(device), dtype=dtype, kv_cache_memory="64MiB", max_model_len=256,
+             block_size=BLOCK) as llm:
+        llm.generate([prompt], params)  # captures the graphs
+        output = llm.generate([prompt], params)[0]
+    engine_ms = 1e3 / output.metrics.decode_tokens_per_s
+    model = load_model(path, dtype=getattr(torch, dtype), device=device)[0].eval()
+    model.enable_fused_kernels(fused_kernels_usable(device, model.head_dim))
+    kv_len = 64  # the engine's key bucket for most of these steps
+    driver = Driver(model, -(-kv_len // BLOCK) + 1, GraphRunnerConfig(
+        max_batch_size=1, max_query_len=1, max_kv_len=kv_len, capture=device.type == "cuda"))
+    bare_ms = time_step(driver, step_inputs(1, kv_len, False, model.config.vocab_size), warmup=3,
+                        iters=args.iters, device=device)
+    report.engine_overhead = {"model": "Llama-3.2-1B-shaped body, vocabulary 512" if not args.tiny else "tiny",
+                              "dtype": dtype, "new_tokens": new, "engine_step_ms": engine_ms,
+                              "bare_step_ms": bare_ms, "engine_over_bare": engine_ms / bare_ms}
+    print(f"  engine decode step {engine_ms:.3f} ms vs bare step {bare_ms:.3f} ms "
+          f"({engine_ms / bare_ms:.2f}x)", flush=True)
+
+
 # ------------------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (default cuda)")
     p.add_argument("--tiny", action="store_true", help="tiny timing models and short runs (CPU smoke test)")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: exactness, spec, timing")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: exactness, spec, timing, engine")
     p.add_argument("--iters", type=int, default=None, help="timed steps per row (default 30; 3 with --tiny)")
     p.add_argument("--kv-len", type=int, default=None, help="slots each timed step reads (default 512; 64 tiny)")
     p.add_argument("--checkpoint", default=None,
@@ -577,7 +619,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     args.attention_splits = [int(n) for n in args.attention_splits.split(",") if n.strip()]
-    unknown = args.skip - {"exactness", "spec", "timing"}
+    unknown = args.skip - {"exactness", "spec", "timing", "engine"}
     if unknown:
         p.error(f"unknown parts to skip: {sorted(unknown)}")
     args.iters = args.iters or (3 if args.tiny else 30)
@@ -589,6 +631,10 @@ def print_report(report: Report) -> None:
     print(f"\ndevice {report.device}" + (" (tiny shapes)" if report.tiny else ""))
     for c in report.checks:
         print(f"  [{'PASS' if c.passed else 'FAIL'}] {c.name}: {c.detail}")
+    if report.engine_overhead:
+        e = report.engine_overhead
+        print(f"engine ({e['model']}, {e['dtype']}, batch 1): decode step {e['engine_step_ms']:.3f} ms, bare step "
+              f"{e['bare_step_ms']:.3f} ms, {e['engine_over_bare']:.2f}x")
     if report.timings:
         print(f"copy bandwidth {report.bandwidth_gbps:.1f} GB/s (read + write); weight bytes read per step: "
               + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in report.weight_bytes.items()))
@@ -644,7 +690,7 @@ def run_parts(report: Report, args: argparse.Namespace, device: torch.device) ->
                 state["target"] = make_checkpoint(work / "llama", "llama")
             part_spec_modes(report, state["target"], work, device, args.tiny)
 
-        parts = {"exactness": exactness, "spec": spec,
+        parts = {"exactness": exactness, "spec": spec, "engine": lambda: part_engine(report, work, device, args),
                  "timing": lambda: part_timing(report, device, args)}
         for name, run in parts.items():
             if name in args.skip:

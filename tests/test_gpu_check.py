@@ -44,6 +44,7 @@ def test_tiny_cpu_run(gpu_check, checkpoint_factory, tmp_path: Path, capsys) -> 
     assert data["bandwidth_gbps"] > 0 and all(t["floor_ms"] > 0 and t["x_floor"] > 0 for t in data["timings"])
     assert data["targets"]["ar_met"] is None  # targets are judged only on graph rows, i.e. on a GPU
     assert "x floor" in printed
+    assert data["engine_overhead"]["engine_over_bare"] > 0 and data["engine_overhead"]["bare_step_ms"] > 0
 
 
 def test_weight_bytes_read_counts_embedding_only_when_tied(gpu_check) -> None:
