@@ -1,22 +1,22 @@
-"""Fused Triton kernels for the decoder's small elementwise steps on CUDA.
+"""Fused Triton kernels for the small steps around the decoder's matrix products, on CUDA.
 
 At batch 1 a Llama-3-8B step on an H200 spends ~4.3 ms in its matrix products and, in plain PyTorch ops,
-~1,600 small kernels around them (eight per RMSNorm, seven per RoPE, separate residual adds, K/V scatters):
-~2 ms of kernel time plus ~1.3 ms of gaps even under CUDA graphs (measured by ``bench/gpu_check.py
---profile``). These kernels do each of those steps in one launch:
+~1,600 small kernels around them (eight per RMSNorm, seven per RoPE, separate residual adds, K/V scatters and
+gathers): ~2.2 ms of kernel time plus ~1.1 ms of gaps even under CUDA graphs (``bench/gpu_check.py
+--profile``; with these kernels: ~400 kernels, 5.2 instead of 7.7 ms, see bench/RESULTS.md). Each of these
+does one of those steps in one launch:
 
 - :func:`add_rms_norm`: the residual add and the RMSNorm that follows it (one row per program);
 - :func:`rope_write_kv`: RoPE on the q and k heads of the fused q/k/v projection (q in place) and the
   k/v scatter into the paged cache (one token's head per program);
-- :func:`silu_mul`: the MLP's ``silu(gate) * up``.
+- :func:`silu_mul`: the MLP's ``silu(gate) * up``;
+- :func:`dense_attention`: attention of the fixed-shape (CUDA-graph) layout read straight from the paged cache
+  (no gathered K/V copies), keys split across programs (``ATTENTION_COLS_PER_SPLIT`` each; ``bench/gpu_check.py
+  --attention-splits`` measures other choices) and a small kernel combining the splits.
 
-Each rounds exactly where the PyTorch ops it replaces round (a bfloat16 product is formed in float32 and
-rounded before the next op), so only reduction order, ``rsqrt``/``exp`` approximations and, for float32
-models, fused multiply-adds differ.
-
-:func:`dense_attention` replaces the gathers of K/V, the packing copies and the SDPA call of the fixed-shape
-(CUDA-graph) attention path: it reads K/V straight from the paged cache, with the key length split across
-programs (``ATTENTION_COLS_PER_SPLIT`` keys each; ``bench/gpu_check.py --attention-splits`` measures choices).
+The elementwise kernels round exactly where the PyTorch ops they replace round (a bfloat16 product is formed
+in float32 and rounded before the next op), so only reduction order, ``rsqrt``/``exp`` approximations and, for
+float32 models, fused multiply-adds differ; attention differs from SDPA as any two attention kernels do.
 
 Importing this module imports Triton (:func:`ssd.models.decoder.fused_kernels_usable` checks first). With
 ``TRITON_INTERPRET=1`` set before the import, the same kernels run on CPU tensors (how the tests check them
