@@ -13,9 +13,10 @@ from checkpoints import make_checkpoint
 from model_utils import PagedSession, greedy_generate
 
 from ssd.models.arch import ModelArchConfig, RopeScaling
-from ssd.models.decoder import DecoderLM, rope_inv_freq
+from ssd.models.decoder import DecoderLM
 from ssd.models.loader import load_model
 from ssd.models.registry import get_model_class, supported_architectures
+from ssd.models.rope import rope_inv_freq
 
 LLAMA3_ROPE = dict(
     rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
