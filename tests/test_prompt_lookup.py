@@ -131,3 +131,41 @@ def test_copied_run_copies_until_no_match_or_limit():
     assert copied_run(lookup, 0) == []
     assert copied_run(PromptLookup([1, 2, 3, 4]), 5) == []  # no earlier match
     assert copied_run(None, 4) == []  # prompt lookup off
+
+
+class _CountingRunner:
+    """Stands in for a draft ModelRunner: records each forward's items, returns logits favouring token 7."""
+
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.calls: list[list[tuple[list[int], int]]] = []
+
+    def forward(self, items):
+        self.calls.append([(list(item.token_ids), item.start_pos) for item in items])
+        logits = torch.zeros(len(items), 16)
+        logits[:, 7] = 5.0
+        return logits
+
+
+def test_copied_drafts_skip_the_draft_forward():
+    """A copy is known before its step, so that step runs no draft forward for its row: a row whose drafts are
+    all copies runs none (its K/V stays where it was); a drawn draft that prompt lookup then continues leaves
+    the copies, and the draft before them, for the row's next forward (next round's catch-up)."""
+    from ssd.core.sequence import Sequence
+    from ssd.spec.drafting import draft_sequentially
+
+    greedy = SamplingParams(temperature=0.0)
+    repeating = Sequence(0, [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], greedy)  # lookup copies 3, 4, 1, ...
+    novel = Sequence(1, [1, 7, 3, 9, 1], greedy)  # no match until the draft draws 7: then (1, 7) -> 3 -> 9
+    for seq in (repeating, novel):
+        seq.num_computed_tokens = seq.num_tokens - 1  # the pending token is the last one
+    runner = _CountingRunner()
+    drafts = draft_sequentially(runner, [repeating, novel], [3, 3], [None, None], DraftDistribution(16, 16), None,
+                                lookups=[PromptLookup(repeating.token_ids), PromptLookup(novel.token_ids)])
+    assert drafts.tokens.tolist() == [[3, 4, 1], [7, 3, 9]]
+    assert drafts.copied.tolist() == [[True, True, True], [False, True, True]]
+    assert drafts.probs.argmax(-1).tolist() == [[3, 4, 1], [7, 3, 9]] and torch.all(drafts.probs.sum(-1) == 1)
+    assert runner.calls == [[([1], 4)]]  # one forward: the novel row's pending token; copies need none
+    assert drafts.computed == [9, 5]  # K/V held: neither row's drafts (7 and the copies wait)
+    assert repeating.num_computed_tokens == 9 and novel.num_computed_tokens == 5

@@ -39,6 +39,7 @@ class DraftModelProposer:
         self.lookup = lookup or LookupConfig(enabled=False)
         self.mirrors: dict[int, Sequence] = {}
         self.lookups: dict[int, PromptLookup | None] = {}  # per sequence, over its token list
+        self.computed: dict[int, int] = {}  # per sequence: tokens (own, then drafts) with K/V after proposing
         self.available = True
 
     def prepare(self, seqs: list[Sequence]) -> None:
@@ -71,6 +72,8 @@ class DraftModelProposer:
             self.default_generator,
             lookups=[self.lookups[r.seq.seq_id] for r in requests],
         )
+        for r, held in zip(requests, drafts.computed):
+            self.computed[r.seq.seq_id] = held
         return Proposal(drafts.tokens, drafts.probs, num_drafts, copied=drafts.copied)
 
     def on_verified(self, rounds: list[VerifiedRound]) -> None:
@@ -78,15 +81,18 @@ class DraftModelProposer:
             mirror = self.mirrors.get(round_.seq.seq_id)
             if mirror is None:
                 continue
-            # The draft ran t_n, d_1..d_{K-1}; of these, d_1..d_k are now real tokens (t_n was computed already).
-            valid_drafts = min(round_.num_accepted, round_.num_drafts - 1)
-            mirror.num_computed_tokens = round_.seq.num_tokens - len(round_.output_tokens) + valid_drafts
+            # The round's tokens were t_0..t_n (length before), then d_1..d_k accepted: valid K/V covers them
+            # as far as the draft computed (at most t_n, d_1..d_{K-1}; less where prompt lookup copied).
+            before = round_.seq.num_tokens - len(round_.output_tokens)
+            held = self.computed.pop(round_.seq.seq_id, before)
+            mirror.num_computed_tokens = min(before + round_.num_accepted, held)
             self.kv_manager.cache_full_blocks(mirror)
             self.kv_manager.trim(mirror)
 
     def release(self, seq: Sequence) -> None:
         mirror = self.mirrors.pop(seq.seq_id, None)
         self.lookups.pop(seq.seq_id, None)
+        self.computed.pop(seq.seq_id, None)
         if mirror is not None:
             self.kv_manager.free(mirror)
 
@@ -95,3 +101,4 @@ class DraftModelProposer:
             self.kv_manager.free(mirror)
         self.mirrors.clear()
         self.lookups.clear()
+        self.computed.clear()

@@ -147,6 +147,7 @@ class Drafts:
     tokens: torch.Tensor  # [B, K] int64
     probs: torch.Tensor  # [B, K, V] float32
     copied: torch.Tensor  # [B, K] bool
+    computed: list[int]  # per row: the draft cache holds K/V for the first computed[i] tokens (own, then drafts)
 
 
 ProbsHook = Callable[[int, list[int], torch.Tensor, torch.Tensor], torch.Tensor]
@@ -165,42 +166,55 @@ def draft_sequentially(
 ) -> Drafts:
     """Catch each mirror up to its pending token, then draft ``num_drafts[i]`` tokens one step at a time.
 
-    Mirrors must have slots for all their uncomputed tokens plus ``num_drafts - 1`` lookahead tokens. On
-    return the draft cache holds K/V for every mirror token and for d_1..d_{K-1}; ``num_computed_tokens`` is
-    set to the mirror's length. ``adjust(step, rows, logits, probs)`` may reshape the distribution a draft is
-    drawn from (Saguaro scaling); the returned probabilities are exactly the ones sampled from.
-    ``lookups[i]`` (prompt lookup over mirror i's tokens) replaces a draft by the token it copies, when it has one.
+    ``lookups[i]`` (prompt lookup over mirror i's tokens) replaces a draft by the token it copies, when it has
+    one. A copy is known before its step, so that row skips the step's forward: the copied token (q one-hot at
+    it) waits, with the tokens before it, for the row's next forward, and a row whose drafts are all copies runs
+    no forward at all. Mirrors must have slots for all their uncomputed tokens plus ``num_drafts - 1`` lookahead
+    tokens. On return the draft cache holds K/V for each mirror's first ``Drafts.computed[i]`` tokens (its own,
+    then d_1..d_{K-1} at most) and ``num_computed_tokens`` counts those of the mirror's own tokens.
+    ``adjust(step, rows, logits, probs)`` may reshape the distribution a draft is drawn from (Saguaro scaling);
+    the returned probabilities are exactly the ones sampled from.
     """
     device = runner.device
     max_k = max(num_drafts)
     tokens_out = torch.zeros(len(mirrors), max_k, dtype=torch.long, device=device)  # [B, K]
     probs_out = torch.zeros(len(mirrors), max_k, distribution.target_vocab_size, device=device)  # [B, K, V]
     copied = torch.zeros(len(mirrors), max_k, dtype=torch.bool)  # [B, K]
-    pending = [m.token_ids[m.num_computed_tokens :] for m in mirrors]
+    pending = [m.token_ids[m.num_computed_tokens :] for m in mirrors]  # tokens the next forward must run
     drafted: list[list[int]] = [[] for _ in mirrors]
-    positions = [m.num_computed_tokens for m in mirrors]
+    positions = [m.num_computed_tokens for m in mirrors]  # K/V held so far
     for step in range(max_k):
         active = [i for i, k in enumerate(num_drafts) if k > step]
-        items = [ForwardItem(pending[i], positions[i], mirrors[i].block_table, 1) for i in active]
-        logits = runner.forward(items)  # [A, Vd]
-        params = [mirrors[i].sampling_params for i in active]
-        hook = None if adjust is None else lambda lg, pr: adjust(step, active, lg, pr)
-        forced = None if lookups is None else [copied_token(lookups[i], drafted[i]) for i in active]
-        tokens, probs = distribution.draw(
-            logits, params, [generators[i] for i in active], default_generator, hook, forced
-        )
-        if forced is not None:
-            copied[active, step] = torch.tensor([token is not None for token in forced])
-        rows = torch.tensor(active, device=device)
-        tokens_out[rows, step] = tokens  # tokens: [A]
-        if probs is None:
-            probs_out[rows, step, tokens] = 1.0  # all greedy: q is one-hot at the draft
-        else:
-            probs_out[rows, step] = probs  # [A, V]
-        for i, token in zip(active, tokens.tolist()):
-            positions[i] += len(pending[i])
-            pending[i] = [token]
-            drafted[i].append(token)
-    for mirror in mirrors:
-        mirror.num_computed_tokens = mirror.num_tokens
-    return Drafts(tokens_out, probs_out, copied)
+        copies = {i: copied_token(lookups[i], drafted[i]) for i in active} if lookups is not None else {}
+        run = [i for i in active if copies.get(i) is None]
+        new = {i: token for i, token in copies.items() if token is not None}
+        if new:
+            rows = list(new)
+            index = torch.tensor(rows, device=device)
+            values = torch.tensor([new[i] for i in rows], device=device)
+            tokens_out[index, step] = values
+            probs_out[index, step, values] = 1.0  # q one-hot at the copy
+            copied[rows, step] = True
+        if run:
+            logits = runner.forward([ForwardItem(pending[i], positions[i], mirrors[i].block_table, 1) for i in run])
+            hook = None if adjust is None else lambda lg, pr: adjust(step, run, lg, pr)
+            tokens, probs = distribution.draw(
+                logits, [mirrors[i].sampling_params for i in run], [generators[i] for i in run], default_generator,
+                hook,
+            )
+            rows_t = torch.tensor(run, device=device)
+            tokens_out[rows_t, step] = tokens  # tokens: [R]
+            if probs is None:
+                probs_out[rows_t, step, tokens] = 1.0  # all greedy: q is one-hot at the draft
+            else:
+                probs_out[rows_t, step] = probs  # [R, V]
+            for i, token in zip(run, tokens.tolist()):
+                positions[i] += len(pending[i])
+                pending[i] = []
+                new[i] = token
+        for i in active:
+            pending[i].append(new[i])
+            drafted[i].append(new[i])
+    for mirror, held in zip(mirrors, positions):
+        mirror.num_computed_tokens = min(held, mirror.num_tokens)
+    return Drafts(tokens_out, probs_out, copied, positions)

@@ -198,7 +198,7 @@ class DraftEngine:
         out = []
         for i, (state, row) in enumerate(zip(states, rows)):
             k = row.num_drafts
-            state.num_valid_drafts = k - 1
+            state.num_valid_drafts = min(k - 1, max(0, drafts.computed[i] - state.mirror.num_tokens))
             probs = None if state.greedy else drafts.probs[i, :k]
             out.append(SpeculationResult(drafts.tokens[i, :k].tolist(), probs, False, JIT, drafts.copied[i, :k].tolist()))
         return out
