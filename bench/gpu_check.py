@@ -422,32 +422,30 @@ def time_step(driver: Driver, inputs: FlatStep, warmup: int, iters: int, device:
     return statistics.median(times) * 1e3
 
 
-TIMING_MODES = {  # mode -> (GraphRunnerConfig switches or None for the reference forward, fused kernels)
-    "eager": (None, False),
-    "static eager": (dict(capture=False), False),
-    "fused static eager": (dict(capture=False), True),
-    "cuda graphs": (dict(capture=True), False),
-    "fused graphs": (dict(capture=True), True),
-    "compiled graphs": (dict(capture=True, compile=True), False),
-}
+@dataclass(frozen=True)
+class TimingMode:
+    """How part (c) runs a model: through a GraphRunner (``graphs``: its switches) or the reference forward
+    (None), with or without the fused kernels, and the fused attention's keys per program (None: default)."""
+
+    name: str
+    graphs: dict[str, bool] | None
+    fused: bool = False
+    cols_per_split: int | None = None
 
 
-SPLIT_MODE = "fused graphs, {} keys/split"  # fused graphs with another ATTENTION_COLS_PER_SPLIT
-
-
-def timing_modes(device: torch.device, compile_model: bool, fused: bool, splits: list[int]) -> list[str]:
-    modes = ["eager", "static eager"] + (["fused static eager"] if fused else [])
+def timing_modes(device: torch.device, compile_model: bool, fused: bool, splits: list[int]) -> list[TimingMode]:
+    modes = [TimingMode("eager", None), TimingMode("static eager", dict(capture=False))]
+    if fused:
+        modes.append(TimingMode("fused static eager", dict(capture=False), True))
     if device.type == "cuda":
-        modes += ["cuda graphs"] + (["fused graphs"] if fused else []) + (["compiled graphs"] if compile_model else [])
-        modes += [SPLIT_MODE.format(n) for n in splits] if fused else []
+        modes.append(TimingMode("cuda graphs", dict(capture=True)))
+        if fused:
+            modes.append(TimingMode("fused graphs", dict(capture=True), True))
+        if compile_model:
+            modes.append(TimingMode("compiled graphs", dict(capture=True, compile=True)))
+        if fused:
+            modes += [TimingMode(f"fused graphs, {n} keys/split", dict(capture=True), True, n) for n in splits]
     return modes
-
-
-def mode_settings(mode: str) -> tuple[dict[str, bool] | None, bool, int | None]:
-    """(GraphRunnerConfig switches or None, fused kernels, attention keys per split or None for the default)."""
-    if mode in TIMING_MODES:
-        return (*TIMING_MODES[mode], None)
-    return dict(capture=True), True, int(mode.split(", ")[1].split()[0])
 
 
 def part_timing(report: Report, device: torch.device, args: argparse.Namespace) -> None:
@@ -473,16 +471,11 @@ def part_timing(report: Report, device: torch.device, args: argparse.Namespace) 
         report.weight_bytes[name] = weight_bytes_read(model)
         floor_ms = report.weight_bytes[name] / bandwidth * 1e3
         fused = fused_kernels_usable(device, model.head_dim)
-        for mode in timing_modes(device, args.compile and name == "target", fused, args.attention_splits):
-            switches, use_fused, split = mode_settings(mode)
-            graphs = None if switches is None else GraphRunnerConfig(
-                max_batch_size=1, max_query_len=tree_width, max_kv_len=kv_len, **switches)
-            model.enable_fused_kernels(use_fused)
-            if use_fused:
-                from ssd.models import fused_kernels
-
-                default_split = fused_kernels.ATTENTION_COLS_PER_SPLIT
-                fused_kernels.ATTENTION_COLS_PER_SPLIT = split or default_split  # read when graphs are captured
+        for timing in timing_modes(device, args.compile and name == "target", fused, args.attention_splits):
+            mode = timing.name
+            graphs = None if timing.graphs is None else GraphRunnerConfig(
+                max_batch_size=1, max_query_len=tree_width, max_kv_len=kv_len, **timing.graphs)
+            model.enable_fused_kernels(timing.fused, timing.cols_per_split)
             started = time.perf_counter()
             driver = Driver(model, num_blocks, graphs)
             ar_ms = None
@@ -505,8 +498,6 @@ def part_timing(report: Report, device: torch.device, args: argparse.Namespace) 
                                                      device)
                 print_profile(mode, report.profiles[mode])
             del driver
-            if use_fused:
-                fused_kernels.ATTENTION_COLS_PER_SPLIT = default_split
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()

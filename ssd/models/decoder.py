@@ -149,6 +149,7 @@ class Attention(nn.Module):
         )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.cols_per_split: int | None = None  # fused attention's keys per program (None: the kernel's default)
 
     def forward(
         self,
@@ -189,7 +190,8 @@ class Attention(nn.Module):
         q = kernels.rope_write_kv(qkv, cos, sin, cache.key, cache.value, meta.slot_mapping,
                                   self.num_heads, self.num_kv_heads, d)  # [T, H, D]
         if isinstance(meta, DenseAttentionMetadata):  # fixed-shape steps: read K/V straight from the cache
-            out = kernels.dense_attention(q, cache.key, cache.value, meta.kv_slots, meta.mask, self.scale)
+            out = kernels.dense_attention(q, cache.key, cache.value, meta.kv_slots, meta.mask, self.scale,
+                                          self.cols_per_split)
         else:
             out = attend_cached(q, cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * d))  # [T, hidden]
@@ -280,13 +282,15 @@ class DecoderLM(nn.Module):
         )
         self.kernels: ModuleType | None = None  # fused_kernels once enable_fused_kernels() has run
 
-    def enable_fused_kernels(self, enabled: bool = True) -> None:
+    def enable_fused_kernels(self, enabled: bool = True, attention_cols_per_split: int | None = None) -> None:
         """Run norms, RoPE + K/V writes, SiLU and fixed-shape attention through fused Triton kernels
         (ssd/models/fused_kernels.py); the caller checks :func:`fused_kernels_usable` (or runs Triton's
-        interpreter)."""
+        interpreter). ``attention_cols_per_split`` overrides the attention kernel's keys per program (tuning)."""
         if enabled and not fused_kernels_fit(self.head_dim):
             raise ValueError(f"fused kernels need a power-of-two head_dim >= 16, this model has {self.head_dim}")
         self.kernels = importlib.import_module("ssd.models.fused_kernels") if enabled else None
+        for layer in self.layers:
+            layer.self_attn.cols_per_split = attention_cols_per_split
 
     @property
     def num_layers(self) -> int:

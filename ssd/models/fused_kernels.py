@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-ATTENTION_COLS_PER_SPLIT = 64  # keys per program of dense_attention (a decode step's parallelism)
+ATTENTION_COLS_PER_SPLIT = 64  # default keys per program of dense_attention (a decode step's parallelism)
 
 
 @triton.jit
