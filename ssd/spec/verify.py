@@ -87,8 +87,6 @@ def verify(
             )
 
     device = target_probs.device
-    p = target_probs.float()  # [B, K+1, V]
-    q = draft_probs.float().to(device)  # [B, K, V]
     greedy = greedy.to(device)  # [B]
     n = torch.tensor(counts, dtype=torch.int64, device=device)  # [B]
     valid = torch.arange(k_max, device=device)[None, :] < n[:, None]  # [B, K]
@@ -96,7 +94,14 @@ def verify(
 
     u = draw_uniforms(generators, [c + 1 for c in counts], k_plus_1, device, default_generator)  # [B, K+1]
 
-    p_argmax = p.argmax(dim=-1)  # [B, K+1]
+    p_argmax = target_probs.argmax(dim=-1)  # [B, K+1]
+    if bool(greedy.all()):  # the uniforms above keep generator streams identical; q and p are not needed
+        accept = (tokens == p_argmax[:, :k_max]) & valid  # [B, K]
+        num_accepted = accept.to(torch.int64).cumprod(dim=-1).sum(dim=-1)  # [B]
+        final = p_argmax.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
+        return _result(tokens, num_accepted, final)
+    p = target_probs.float()  # [B, K+1, V]
+    q = draft_probs.float().to(device)  # [B, K, V]
     p_d = p[:, :k_max].gather(2, tokens[..., None]).squeeze(-1)  # [B, K]
     q_d = q.gather(2, tokens[..., None]).squeeze(-1)  # [B, K]
     accept_sampled = (q_d > 0) & (u[:, :k_max] * q_d < p_d)  # [B, K]
@@ -117,9 +122,11 @@ def verify(
     u_final = u.gather(1, n[:, None]).squeeze(1)  # [B]
     sampled = sample_with_uniforms(dist, u_final)  # [B]
     final = torch.where(greedy, p_argmax.gather(1, num_accepted[:, None]).squeeze(1), sampled)  # [B]
+    return _result(tokens, num_accepted, final)
 
+
+def _result(tokens: torch.Tensor, num_accepted: torch.Tensor, final: torch.Tensor) -> VerifyResult:
+    """Each row's accepted drafts (``tokens [B, K]`` up to ``num_accepted [B]``) followed by ``final [B]``."""
     accepted_list = num_accepted.tolist()
-    token_rows = tokens.tolist()
-    final_list = final.tolist()
-    outputs = [row[:k] + [t] for row, k, t in zip(token_rows, accepted_list, final_list)]
+    outputs = [row[:k] + [t] for row, k, t in zip(tokens.tolist(), accepted_list, final.tolist())]
     return VerifyResult(num_accepted=accepted_list, output_tokens=outputs)
