@@ -433,7 +433,8 @@ def report(result: dict[str, Any]) -> None:
         keys = ["exact", "exact_main_dtype", "exact_main_dtype_min_agreeing_prefix", "sd_mean_acceptance_length",
                 "ssd_mean_acceptance_length", "ssd_cache_hit_rate", "ssd_over_ar", "ssd_over_sd", "sd_over_ar",
                 "ssd_over_best_same_hardware", "sd_over_hf_assisted", "ssd_over_hf_assisted", "hf_assisted_over_hf",
-                "ngram_mean_acceptance_length", "ngram_over_ar", "ssd_over_ngram"]
+                "ngram_mean_acceptance_length", "ngram_over_ar", "ssd_over_ngram", "perfect_ssd_over_sd",
+                "perfect_ssd_over_ar"]
         rows = [[k, head[k], *[head["by_dataset"][ds].get(k) for ds in head["by_dataset"]]] for k in keys]
         print_table(["headline", "all", *head["by_dataset"]], rows,
                     title=f"headline: batch {head['batch_size']}, SSD = {head['ssd_mode']} (ratios: paired medians, "

@@ -135,6 +135,7 @@ def dataset_headline(repeats: Sequence[TokS], rows: dict[str, dict[str, dict[str
         "sd_over_hf_assisted": None,
         "ssd_over_hf_assisted": None,
         "hf_assisted_over_hf": None,
+        **perfect_ssd(extra, batch),
     }
     if batch == 1:
         out["sd_over_hf_assisted"] = paired(repeats, run_key(EXTRA, "sd", 1), [HF_ASSISTED])
@@ -145,8 +146,34 @@ def dataset_headline(repeats: Sequence[TokS], rows: dict[str, dict[str, dict[str
     return out
 
 
+def perfect_ssd(rows: dict[str, dict[str, Any]], batch: int) -> dict[str, float | None]:
+    """The speed-ups over SD and AR of a *perfect* SSD: SD's rounds (same drafts, same acceptance, same
+    verification) with SD's drafting taken off the critical path, as if every round were a cache hit served
+    at once. ``rows``: mode -> metrics of one layout (the extra-device one).
+
+    An SD round of ``batch`` sequences takes ``batch * MAL / tok_s`` seconds, of which the target waited
+    ``draft_wait_ms_per_round`` for the draft; a perfect SSD saves exactly that wait. So
+    ``perfect_ssd_over_sd = round / (round - wait)`` and ``perfect_ssd_over_ar`` is the perfect SSD's tok/s
+    over AR's. Measured SSD can beat these only by verifying different drafts (shorter on a CPU, where every
+    verified position costs time); they say how far a draft/target pair lets SSD go at all: a draft that takes
+    20% of an SD round caps ``perfect_ssd_over_sd`` at 1.25."""
+    sd, ar = rows.get("sd", {}), rows.get("ar", {})
+    tok_s, mal, wait_ms = sd.get("decode_tok_s"), sd.get("mean_acceptance_length"), sd.get("draft_wait_ms_per_round")
+    out: dict[str, float | None] = {"perfect_ssd_over_sd": None, "perfect_ssd_over_ar": None}
+    if not tok_s or not mal or wait_ms is None:
+        return out
+    round_ms = 1e3 * batch * mal / tok_s
+    if wait_ms >= round_ms:
+        return out
+    out["perfect_ssd_over_sd"] = round_ms / (round_ms - wait_ms)
+    if ar.get("decode_tok_s"):
+        out["perfect_ssd_over_ar"] = tok_s * out["perfect_ssd_over_sd"] / ar["decode_tok_s"]
+    return out
+
+
 RATIO_KEYS = ("ssd_over_ar", "ssd_over_sd", "sd_over_ar", "ssd_over_best_same_hardware", "sd_over_hf_assisted",
-              "ssd_over_hf_assisted", "hf_assisted_over_hf", "ngram_over_ar", "ssd_over_ngram")
+              "ssd_over_hf_assisted", "hf_assisted_over_hf", "ngram_over_ar", "ssd_over_ngram", "perfect_ssd_over_sd",
+              "perfect_ssd_over_ar")
 RATE_KEYS = ("sd_mean_acceptance_length", "ssd_mean_acceptance_length", "ssd_cache_hit_rate",
              "ngram_mean_acceptance_length")
 

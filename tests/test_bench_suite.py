@@ -146,6 +146,22 @@ def test_dataset_headline_and_latest_json_keys() -> None:
     assert d["ngram_mean_acceptance_length"] == 1.4
 
 
+def test_perfect_ssd_is_sd_without_its_draft_wait() -> None:
+    # SD: 2 tokens per round at 50 tok/s -> 40 ms rounds, 10 ms of them waiting for the draft -> 30 ms without
+    rows = {"ar": {"decode_tok_s": 40.0},
+            "sd": {"decode_tok_s": 50.0, "mean_acceptance_length": 2.0, "draft_wait_ms_per_round": 10.0}}
+    out = ss.perfect_ssd(rows, 1)
+    assert out["perfect_ssd_over_sd"] == pytest.approx(40 / 30)
+    assert out["perfect_ssd_over_ar"] == pytest.approx(2 / 0.030 / 40.0)
+    # batch 4: a round emits 4 x MAL tokens, so the same tok/s means 160 ms rounds
+    assert ss.perfect_ssd(rows, 4)["perfect_ssd_over_sd"] == pytest.approx(160 / 150)
+    assert ss.perfect_ssd({"sd": rows["sd"]}, 1)["perfect_ssd_over_ar"] is None  # no AR run
+    missing = ss.perfect_ssd({"sd": {"decode_tok_s": 50.0, "mean_acceptance_length": 2.0}}, 1)
+    assert missing == {"perfect_ssd_over_sd": None, "perfect_ssd_over_ar": None}
+    head = ss.dataset_headline(fake_repeats(1.0), {"extra-device": rows}, 1, "ssd-jit")
+    assert head["perfect_ssd_over_sd"] == pytest.approx(40 / 30)
+
+
 def test_ngram_mode_is_prompt_lookup_without_a_draft() -> None:
     import argparse
 
