@@ -163,3 +163,59 @@ def test_build_step_tensors_matches_separate_builds() -> None:
         assert torch.equal(getattr(step.meta, name), getattr(ref, name)), name
     uniform = build_step_tensors([1], np.array([4]), [SequenceLayout([3], [0, 1, 2, 3])], [0])
     assert uniform.meta.mask is None
+
+
+def _direct_attention(q: torch.Tensor, cache: KVCache, layouts: list[SequenceLayout], scale: float) -> torch.Tensor:
+    """Per sequence and head, softmax(q k^T * scale) v over its read slots in float64: the definition."""
+    num_heads, num_kv_heads = q.shape[1], cache.key.shape[-2]
+    keys = cache.key.reshape(-1, num_kv_heads, HEAD_DIM).double()
+    values = cache.value.reshape(-1, num_kv_heads, HEAD_DIM).double()
+    out, start = [], 0
+    for layout in layouts:
+        q_len, kv_len = len(layout.write_slots), len(layout.read_slots)
+        mask = layout.mask
+        if mask is None:  # causal: query i sees the slots up to its own
+            mask = np.arange(kv_len)[None, :] <= (kv_len - q_len + np.arange(q_len))[:, None]
+        read = torch.as_tensor(np.asarray(layout.read_slots))
+        heads = []
+        for h in range(num_heads):
+            kv = h // (num_heads // num_kv_heads)
+            scores = q[start : start + q_len, h].double() @ keys[read, kv].T * scale  # [q, L]
+            scores = scores.masked_fill(~torch.as_tensor(mask), float("-inf"))
+            heads.append(torch.softmax(scores, dim=-1) @ values[read, kv])  # [q, D]
+        out.append(torch.stack(heads, dim=1))  # [q, H, D]
+        start += q_len
+    return torch.cat(out).float()  # [T, H, D]
+
+
+@pytest.mark.parametrize("q_lens,kv_lens,tree", [
+    ([5], [23], False),  # one sequence verifying K + 1 = 5 tokens: no padding at all
+    ([6], [17], True),  # one sequence's tree step
+    ([5, 2, 3], [9, 30, 12], False),  # ragged verification rows, padded
+    ([6, 4], [14, 10], True),  # tree steps of two sequences
+    ([40], [60], False),  # a prefill chunk
+])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 3), (8, 1)])
+def test_reference_attention_equals_the_definition(q_lens, kv_lens, tree, num_heads, num_kv_heads) -> None:
+    """The reference layout's masked path (one sequence: no padding gathers; several: padded query rows)
+    against per-head softmax attention in float64."""
+    gen = torch.Generator().manual_seed(3)
+    shape_cache = (NUM_BLOCKS * 4, BLOCK, num_kv_heads, HEAD_DIM)
+    cache = KVCache(torch.randn(shape_cache, generator=gen), torch.randn(shape_cache, generator=gen))
+    rng = np.random.default_rng(len(q_lens))
+    slots = rng.permutation(NUM_BLOCKS * 4 * BLOCK)
+    layouts, used = [], 0
+    for q_len, kv_len in zip(q_lens, kv_lens):
+        read = slots[used : used + kv_len]
+        used += kv_len
+        mask = None
+        if tree:
+            mask = np.ones((q_len, kv_len), dtype=bool)
+            mask[:, kv_len - q_len :] = (rng.random((q_len, q_len)) < 0.5) | np.eye(q_len, dtype=bool)
+        layouts.append(SequenceLayout(write_slots=read[kv_len - q_len :], read_slots=read, mask=mask))
+    T = sum(q_lens)
+    q = torch.randn(T, num_heads, HEAD_DIM, generator=gen)
+    k = torch.randn(T, num_kv_heads, HEAD_DIM, generator=gen)
+    v = torch.randn(T, num_kv_heads, HEAD_DIM, generator=gen)
+    out = paged_attention(q, k, v, cache, build_attention_metadata(layouts), HEAD_DIM**-0.5)  # writes k, v
+    _close(out, _direct_attention(q, cache, layouts, HEAD_DIM**-0.5))

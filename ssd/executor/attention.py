@@ -121,13 +121,20 @@ def attend_cached(
         queries = query.view(num_tokens, num_kv_heads, num_heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(queries, keys, values, scale=scale)  # [B, Hkv, H/Hkv, D]
         return out.reshape(num_tokens, num_heads, head_dim)  # [T, H, D]
-    padded = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])  # [T+1, H, D]
-    queries = padded[meta.query_rows].transpose(1, 2)  # [B, H, Q, D]
+    # One sequence (a verification at batch 1, a prefill chunk): its T tokens are exactly its query rows, so
+    # the padding and the two row gathers are skipped (0.3-0.9 ms of a 32 ms 5-token verification of the
+    # 135M target on one thread).
+    one_sequence = meta.query_rows.shape[0] == 1
+    if one_sequence:
+        queries = query[None]  # [1, T, H, D]
+    else:
+        padded = torch.cat([query, query.new_zeros(1, num_heads, head_dim)])  # [T+1, H, D]
+        queries = padded[meta.query_rows]  # [B, Q, H, D]
     out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=gqa
+        queries.transpose(1, 2), keys, values, attn_mask=meta.mask, scale=scale, enable_gqa=gqa
     )  # [B, H, Q, D]
     out = out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [B*Q, H, D]
-    return out[meta.out_index]  # [T, H, D]
+    return out if one_sequence else out[meta.out_index]  # [T, H, D]
 
 
 def dense_attention(
