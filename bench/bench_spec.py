@@ -155,11 +155,11 @@ def speculative_config(mode: str, args: argparse.Namespace, draft: str) -> dict[
     if mode == "ar":
         return None
     if mode == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": args.k}
+        return {"method": "ngram", "num_speculative_tokens": args.k, "adaptive_lookahead": False}
     common = {"model": draft, "num_speculative_tokens": args.k, "prompt_lookup": getattr(args, "prompt_lookup", True),
               "draft_weight_format": args.draft_weight_format}
-    if mode == "sd":
-        return {"method": "draft_model", **common}
+    if mode == "sd":  # a fixed K at every batch size (the engine's default adapts K from two sequences on)
+        return {"method": "draft_model", **common, "adaptive_lookahead": False}
     if mode == "sd-adaptive":  # K chosen each step in 0..K from measured acceptance and step times
         return {"method": "draft_model", **common, "adaptive_lookahead": True}
     adaptive = mode == "ssd-adaptive"

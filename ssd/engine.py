@@ -26,7 +26,7 @@ from ssd.placement import CpuPinning, plan_engine_layout, start_target_runner
 from ssd.request import EncodedPrompt, Request
 from ssd.sample.sampler import make_generator
 from ssd.sampling_params import SamplingParams
-from ssd.spec.lookahead import LookaheadPolicy
+from ssd.spec.lookahead import ADAPTIVE_WHEN_BATCHED, LookaheadPolicy
 from ssd.spec.ssd.fallback_policy import RANDOM
 from ssd.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -79,8 +79,10 @@ class LLMEngine:
                 self.shutdown()
                 raise
         self.executor = StepExecutor(self.runner, self.proposer, self.default_generator)
-        adaptive = self.spec is not None and self.spec.adaptive_lookahead
-        self.lookahead_policy = LookaheadPolicy(self.spec.num_speculative_tokens) if adaptive else None
+        self.lookahead_policy = None
+        if self.spec is not None and self.spec.adaptive_lookahead:  # True or "auto" (from two sequences on)
+            min_batch = 2 if self.spec.adaptive_lookahead == ADAPTIVE_WHEN_BATCHED else 1
+            self.lookahead_policy = LookaheadPolicy(self.spec.num_speculative_tokens, min_batch_size=min_batch)
         self._step_lookahead: int | None = None  # this step's K under the adaptive policy, chosen on first use
         self.requests: dict[int, Request] = {}
         self.stats = SpecStats()

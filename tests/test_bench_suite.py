@@ -168,7 +168,11 @@ def test_ngram_mode_is_prompt_lookup_without_a_draft() -> None:
     from bench_spec import speculative_config
 
     args = argparse.Namespace(k=3, draft_weight_format="auto")
-    assert speculative_config("ngram", args, "unused-draft") == {"method": "ngram", "num_speculative_tokens": 3}
+    assert speculative_config("ngram", args, "unused-draft") == {"method": "ngram", "num_speculative_tokens": 3,
+                                                                 "adaptive_lookahead": False}
+    # the suite's fixed-K modes stay fixed at every batch size (the engine's default adapts from two sequences)
+    assert speculative_config("sd", args, "d")["adaptive_lookahead"] is False
+    assert speculative_config("sd-adaptive", args, "d")["adaptive_lookahead"] is True
     import suite
 
     assert "ngram" in suite.ALL_MODES

@@ -138,11 +138,42 @@ def test_validation():
         policy.observe_step(0, 1.0, 0.1)
 
 
+def test_below_min_batch_size_the_policy_keeps_k_max_and_does_not_explore():
+    policy = LookaheadPolicy(3, prior_acceptance=0.0, min_batch_size=2)  # "auto": adaptive from two sequences
+    every = LookaheadPolicy.EXPLORE_EVERY
+    for _ in range(4 * every):
+        assert policy.choose([5]) == 3
+        policy.observe_step(1, 3.0, 0.060)
+    chosen = []
+    for _ in range(2 * every):  # two sequences: the round robin starts as for a policy without a minimum
+        chosen.append(policy.choose([5, 6]))
+        policy.observe_step(2, float(chosen[-1]), 0.030 + 0.010 * chosen[-1])
+    assert chosen[every - 1] == 0 and chosen[2 * every - 1] == 1
+    assert chosen[: every - 1] == [3] * (every - 1)
+    with pytest.raises(ValueError, match="min_batch_size"):
+        LookaheadPolicy(3, min_batch_size=0)
+
+
 def test_config_accepts_adaptive_lookahead_for_both_methods():
-    assert SpeculativeConfig(model="d", adaptive_lookahead=True).adaptive_lookahead
-    assert SpeculativeConfig(method="ssd", model="d", adaptive_lookahead=True).adaptive_lookahead
-    with pytest.raises(ValueError, match="must be True or False"):
-        SpeculativeConfig(model="d", adaptive_lookahead="yes")
+    assert SpeculativeConfig(model="d", adaptive_lookahead=True).adaptive_lookahead is True
+    assert SpeculativeConfig(method="ssd", model="d", adaptive_lookahead=True).adaptive_lookahead is True
+    assert SpeculativeConfig(model="d").adaptive_lookahead == "auto"  # the default
+    assert SpeculativeConfig(model="d", adaptive_lookahead=False).adaptive_lookahead is False
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="must be True, False or 'auto'"):
+            SpeculativeConfig(model="d", adaptive_lookahead=bad)
+
+
+def test_engine_builds_the_policy_the_setting_asks_for(checkpoint_factory):
+    from ssd import LLM
+
+    path = checkpoint_factory("llama")
+    for setting, min_batch in ((True, 1), ("auto", 2), (False, None)):
+        spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 2,
+                "adaptive_lookahead": setting}
+        with LLM(model=str(path), speculative_config=spec, kv_cache_memory="16MiB") as llm:
+            policy = llm.engine.lookahead_policy
+            assert (policy is None) if min_batch is None else (policy.min_batch_size == min_batch)
 
 
 def test_command_line_flag():
@@ -154,5 +185,7 @@ def test_command_line_flag():
     add_engine_args(parser)
     args = parser.parse_args(["--model", "t", "--draft", "d", "--method", "draft_model", "--adaptive-lookahead"])
     assert engine_kwargs(args)["speculative_config"]["adaptive_lookahead"] is True
+    off = parser.parse_args(["--model", "t", "--draft", "d", "--adaptive-lookahead", "off"])
+    assert engine_kwargs(off)["speculative_config"]["adaptive_lookahead"] is False
     plain = engine_kwargs(parser.parse_args(["--model", "t", "--draft", "d"]))["speculative_config"]
-    assert "adaptive_lookahead" not in plain
+    assert plain["adaptive_lookahead"] == "auto"

@@ -42,8 +42,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--method", default="ssd", choices=["ssd", "draft_model", "ngram"],
                    help="with --draft (default ssd); ngram (prompt lookup alone) needs no --draft")
     s.add_argument("--k", type=int, default=4, help="draft tokens per round (lookahead K)")
-    s.add_argument("--adaptive-lookahead", action="store_true",
-                   help="choose each round's K in 0..--k from measured acceptance and step times (SSD still caches K)")
+    s.add_argument("--adaptive-lookahead", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+                   help="choose each round's K in 0..--k from measured acceptance and step times (SSD still caches "
+                        "K): on, off (always --k), or auto (default: adaptive while two or more sequences decode)")
     s.add_argument("--draft-weight-format", default="auto", choices=list(DRAFT_WEIGHT_FORMATS),
                    help="the draft's weights (default auto: fp16-packed on CPU in float32; int8-packed: int8 "
                         "attention and gate/up projections, faster multi-branch tree steps)")
@@ -104,8 +105,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
             prompt_lookup_max=args.prompt_lookup_max, draft_weight_format=args.draft_weight_format,
             prompt_step_speculation=args.prompt_step_speculation,
         )
-        if args.adaptive_lookahead:
-            spec["adaptive_lookahead"] = True
+        spec["adaptive_lookahead"] = {"on": True, "off": False}.get(args.adaptive_lookahead, args.adaptive_lookahead)
         if args.method == "ssd":
             spec.update(
                 fan_out=args.fan_out,
