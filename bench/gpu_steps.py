@@ -127,13 +127,18 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
     dst = torch.empty_like(src)
     dst.copy_(src)
     sync(device)
+    return 2 * nbytes / median_seconds(lambda: dst.copy_(src), iters, device)
+
+
+def median_seconds(fn: Callable[[], object], iters: int, device: torch.device) -> float:
+    """Median wall time of ``fn()`` over ``iters`` calls, the device synchronised after each."""
     times = []
     for _ in range(iters):
         start = time.perf_counter()
-        dst.copy_(src)
+        fn()
         sync(device)
         times.append(time.perf_counter() - start)
-    return 2 * nbytes / statistics.median(times)
+    return statistics.median(times)
 
 
 def random_model(shape: dict[str, Any], dtype: torch.dtype, device: torch.device, seed: int = 0) -> DecoderLM:
@@ -182,13 +187,7 @@ def time_step(driver: Driver, inputs: FlatStep, warmup: int, iters: int, device:
     for _ in range(warmup):
         driver.step(inputs)
     sync(device)
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        driver.step(inputs)
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_seconds(lambda: driver.step(inputs), iters, device) * 1e3
 
 
 @dataclass(frozen=True)
