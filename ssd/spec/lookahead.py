@@ -95,8 +95,9 @@ class LookaheadPolicy:
     """Per-depth acceptance counts and per-batch-size step-time lines; `choose` gives each step's K.
 
     ``min_batch_size``: smaller decoding batches always get K_max (no choice, no exploration); 2 is the
-    ``"auto"`` setting: on this project's CPU, a single sequence lost 1-7% to the adaptive choice under SSD
-    (whose drafts cost the target nothing) while four gained 2-26% (SSD) and 30-60% (SD) over a fixed K = 4."""
+    ``"auto"`` setting: on this project's CPU a single sequence lost 1-7% to the adaptive choice under SSD
+    (whose drafts cost the target nothing), while batches of four gained over a fixed K = 4 with SD and SSD
+    (README, Adaptive lookahead)."""
 
     EXPLORE_EVERY = 8
     SEQ_PRIOR_WEIGHT = 4.0
