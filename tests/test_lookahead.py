@@ -109,19 +109,39 @@ def test_best_k_maximises_tokens_per_second():
     assert _policy_with_line(0.4).best([0, 1]) == 4
 
 
-def test_choose_starts_at_k_max_and_explores_round_robin():
+def test_choose_starts_at_k_max_and_explores_round_robin_ever_more_rarely():
     policy = LookaheadPolicy(3, prior_acceptance=0.0)  # once the line is known, the best K is 0
-    every = LookaheadPolicy.EXPLORE_EVERY
-    chosen = []
-    for _ in range(4 * every):
+    every, most = LookaheadPolicy.EXPLORE_EVERY, LookaheadPolicy.MAX_EXPLORE_EVERY
+    assert (every, most) == (8, 64)
+    chosen, explore_steps = [], []
+    for step in range(1, 401):
+        explored = policy._explored.get(1, 0)
         k = policy.choose([5])
         chosen.append(k)
+        if policy._explored.get(1, 0) > explored:
+            explore_steps.append(step)
         policy.observe_step(1, float(k), 0.030 + 0.010 * k)
-    explore = chosen[every - 1 :: every]
-    assert explore == [0, 1, 2, 3]  # every EXPLORE_EVERY-th step, the next K of 0..K_max
     assert chosen[: every - 1] == [3] * (every - 1)  # no line yet: the configured K
-    assert all(k == 0 for i, k in enumerate(chosen[every:]) if (i + every + 1) % every)  # then the best
+    # Step 8 explores K = 0, which gives the line: the best becomes 0, a new best, so the gap stays 8 (step
+    # 16); from then on the best holds and the gap doubles up to 64: steps 32, 64, 128, 192, 256, ...
+    assert explore_steps == [8, 16, 32, 64, 128, 192, 256, 320, 384]
+    assert [chosen[s - 1] for s in explore_steps] == [0, 1, 2, 3, 0, 1, 2, 3, 0]  # round robin over 0..3
+    assert all(k == 0 for s, k in enumerate(chosen, 1) if s > every and s not in explore_steps)  # the best
     assert policy.choose([]) == 3  # nothing decoding: nothing to choose
+
+
+def test_a_new_best_k_brings_exploration_back_to_every_eighth_step():
+    policy = LookaheadPolicy(2, prior_acceptance=0.0)
+    for _ in range(40):  # K = 0 is best; gaps 8, 8, 16 -> explorations at 8, 16, 32
+        k = policy.choose([1])
+        policy.observe_step(1, float(k), 0.030 + 0.010 * k)
+    assert policy._gap[1] == 32
+    for _ in range(20):  # drafts start to pay: every depth passes, and drafting became cheap
+        policy.observe_round(1, 2, 2)
+    for _ in range(3):
+        policy.observe_step(1, 0.0, 0.030)
+        policy.observe_step(1, 2.0, 0.031)
+    assert policy.choose([1]) == 2 and policy._gap[1] == LookaheadPolicy.EXPLORE_EVERY
 
 
 def test_validation():
@@ -148,7 +168,7 @@ def test_below_min_batch_size_the_policy_keeps_k_max_and_does_not_explore():
     for _ in range(2 * every):  # two sequences: the round robin starts as for a policy without a minimum
         chosen.append(policy.choose([5, 6]))
         policy.observe_step(2, float(chosen[-1]), 0.030 + 0.010 * chosen[-1])
-    assert chosen[every - 1] == 0 and chosen[2 * every - 1] == 1
+    assert chosen[every - 1] == 0 and chosen[2 * every - 1] == 1  # explorations at steps 8 and 16 of the pair
     assert chosen[: every - 1] == [3] * (every - 1)
     with pytest.raises(ValueError, match="min_batch_size"):
         LookaheadPolicy(3, min_batch_size=0)

@@ -22,8 +22,12 @@ text, the draft and the batch size. So the engine measures both sides and picks,
   line in the mean number of drafts per sequence by decayed least squares. K = 0 is a plain decode step.
 
 While a batch size has no line yet (fewer than two distinct K measured), steps use K_max, the configured
-lookahead. Every `EXPLORE_EVERY`-th step at a batch size uses the next K of a round robin over 0..K_max
-instead of the best one, so the line stays measured at several points and every depth keeps being tested.
+lookahead. Exploration steps use the next K of a round robin over 0..K_max instead of the best one, so the
+line stays measured at several points and every depth keeps being tested: the first comes `EXPLORE_EVERY`
+steps into a batch size, and each next one twice as many steps after the last (up to `MAX_EXPLORE_EVERY`)
+while the best K stays the same; a new best K brings the gap back to `EXPLORE_EVERY`. An exploration step
+can cost far more than its K suggests (at batch 4 on a CPU where K = 0 wins, a K = 1 step with the draft's
+catch-up took 75 ms against 32 ms), so a settled choice is re-checked rarely.
 Pure Python, no torch; unit tested with exact values.
 """
 
@@ -100,6 +104,7 @@ class LookaheadPolicy:
     (README, Adaptive lookahead)."""
 
     EXPLORE_EVERY = 8
+    MAX_EXPLORE_EVERY = 64
     SEQ_PRIOR_WEIGHT = 4.0
     SEQ_SHIFT_SD = 1.5
 
@@ -129,7 +134,9 @@ class LookaheadPolicy:
         self._tried = [prior_weight] * max_k  # depth j+1: decayed attempts
         self._seq_counts: dict[int, tuple[list[float], list[float]]] = {}  # seq_id -> (passed, tried), own rounds
         self._lines: dict[int, _Line] = {}
-        self._steps: dict[int, int] = {}  # batch size -> steps chosen so far
+        self._since: dict[int, int] = {}  # batch size -> steps since its last exploration step
+        self._gap: dict[int, int] = {}  # batch size -> steps from one exploration step to the next
+        self._best: dict[int, int] = {}  # batch size -> the best K of its last non-exploring step
         self._explored: dict[int, int] = {}  # batch size -> exploration steps so far
 
     # ------------------------------------------------------------------ estimates
@@ -184,13 +191,20 @@ class LookaheadPolicy:
         batch_size = max(1, len(seq_ids))
         if batch_size < self.min_batch_size:
             return self.max_k
-        step = self._steps.get(batch_size, 0) + 1
-        self._steps[batch_size] = step
-        if step % self.EXPLORE_EVERY == 0:
+        since = self._since.get(batch_size, 0) + 1
+        gap = self._gap.get(batch_size, self.EXPLORE_EVERY)
+        if since >= gap:
+            self._since[batch_size] = 0
+            self._gap[batch_size] = min(2 * gap, self.MAX_EXPLORE_EVERY)
             n = self._explored.get(batch_size, 0)
             self._explored[batch_size] = n + 1
             return n % (self.max_k + 1)
-        return self.best(seq_ids) if seq_ids else self.max_k
+        self._since[batch_size] = since
+        k = self.best(seq_ids) if seq_ids else self.max_k
+        if self._best.get(batch_size, k) != k:
+            self._gap[batch_size] = self.EXPLORE_EVERY  # a new best: look at the others again soon
+        self._best[batch_size] = k
+        return k
 
     def observe_round(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:
         """A verified round of sequence `seq_id`: `num_accepted` of its `num_drafts` drafts were accepted."""
