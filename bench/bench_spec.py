@@ -158,7 +158,7 @@ def speculative_config(mode: str, args: argparse.Namespace, draft: str) -> dict[
         return {"method": "ngram", "num_speculative_tokens": args.k, "adaptive_lookahead": False}
     common = {"model": draft, "num_speculative_tokens": args.k, "prompt_lookup": getattr(args, "prompt_lookup", True),
               "draft_weight_format": args.draft_weight_format}
-    if mode == "sd":  # a fixed K at every batch size (the engine's default adapts K from two sequences on)
+    if mode == "sd":  # a fixed K at every batch size (the engine's default "auto" adapts K)
         return {"method": "draft_model", **common, "adaptive_lookahead": False}
     if mode == "sd-adaptive":  # K chosen each step in 0..K from measured acceptance and step times
         return {"method": "draft_model", **common, "adaptive_lookahead": True}

@@ -8,7 +8,7 @@ from typing import Any
 
 from ssd.dtypes import DTYPE_NAMES, resolve_dtype
 from ssd.models.weight_formats import AUTO, DRAFT_WEIGHT_FORMATS, resolve_weight_format
-from ssd.spec.lookahead import ADAPTIVE_WHEN_BATCHED
+from ssd.spec.lookahead import ADAPTIVE_AUTO
 from ssd.spec.lookup import LookupConfig
 from ssd.spec.ssd.fallback_policy import FALLBACKS, FILLER_PADDINGS
 from ssd.spec.ssd.fanout import check_budget, has_adjustable_budget
@@ -46,8 +46,8 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     # choose each step's K in 0..num_speculative_tokens from the measured acceptance per depth and the
     # measured step time per batch size (ssd/spec/lookahead.py); SSD still builds its cache for the full K.
-    # "auto": adaptive while two or more sequences decode together, the full K for one (README, Adaptive
-    # lookahead: at batch 4 it beat a fixed K = 4 for SD and SSD; at batch 1 SSD ran as fast or faster with K = 4).
+    # "auto": adaptive for SD and prompt lookup; for SSD while two or more sequences decode together, the full K
+    # for one (ssd/spec/lookahead.py: auto_min_batch_size; measurements in the README, Adaptive lookahead).
     adaptive_lookahead: bool | str = "auto"
     # False: the step that finishes a prompt emits its one token without waiting for the draft's prefill and
     # drafts (a shorter time to first token; SSD's worker prefills while the target does), and speculation
@@ -104,7 +104,7 @@ class SpeculativeConfig:
             raise ValueError("speculative_config needs 'model': the path of the draft checkpoint")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
-        if not (isinstance(self.adaptive_lookahead, bool) or self.adaptive_lookahead == ADAPTIVE_WHEN_BATCHED):
+        if not (isinstance(self.adaptive_lookahead, bool) or self.adaptive_lookahead == ADAPTIVE_AUTO):
             raise ValueError(f"adaptive_lookahead must be True, False or 'auto', got {self.adaptive_lookahead!r}")
         if not isinstance(self.prompt_step_speculation, bool):
             raise ValueError(f"prompt_step_speculation must be True or False, got {self.prompt_step_speculation!r}")

@@ -170,7 +170,7 @@ def test_ngram_mode_is_prompt_lookup_without_a_draft() -> None:
     args = argparse.Namespace(k=3, draft_weight_format="auto")
     assert speculative_config("ngram", args, "unused-draft") == {"method": "ngram", "num_speculative_tokens": 3,
                                                                  "adaptive_lookahead": False}
-    # the suite's fixed-K modes stay fixed at every batch size (the engine's default adapts from two sequences)
+    # the suite's fixed-K modes stay fixed at every batch size (the engine's default "auto" adapts K)
     assert speculative_config("sd", args, "d")["adaptive_lookahead"] is False
     assert speculative_config("sd-adaptive", args, "d")["adaptive_lookahead"] is True
     import suite

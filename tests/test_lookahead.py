@@ -159,7 +159,7 @@ def test_validation():
 
 
 def test_below_min_batch_size_the_policy_keeps_k_max_and_does_not_explore():
-    policy = LookaheadPolicy(3, prior_acceptance=0.0, min_batch_size=2)  # "auto": adaptive from two sequences
+    policy = LookaheadPolicy(3, prior_acceptance=0.0, min_batch_size=2)  # SSD's "auto"
     every = LookaheadPolicy.EXPLORE_EVERY
     for _ in range(4 * every):
         assert policy.choose([5]) == 3
@@ -187,8 +187,12 @@ def test_config_accepts_adaptive_lookahead_for_both_methods():
 def test_engine_builds_the_policy_the_setting_asks_for(checkpoint_factory):
     from ssd import LLM
 
+    from ssd.spec.lookahead import auto_min_batch_size
+
+    assert auto_min_batch_size("ssd") == 2  # one sequence keeps the full K under SSD
+    assert auto_min_batch_size("draft_model") == auto_min_batch_size("ngram") == 1
     path = checkpoint_factory("llama")
-    for setting, min_batch in ((True, 1), ("auto", 2), (False, None)):
+    for setting, min_batch in ((True, 1), ("auto", 1), (False, None)):
         spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 2,
                 "adaptive_lookahead": setting}
         with LLM(model=str(path), speculative_config=spec, kv_cache_memory="16MiB") as llm:
@@ -209,3 +213,26 @@ def test_command_line_flag():
     assert engine_kwargs(off)["speculative_config"]["adaptive_lookahead"] is False
     plain = engine_kwargs(parser.parse_args(["--model", "t", "--draft", "d"]))["speculative_config"]
     assert plain["adaptive_lookahead"] == "auto"
+
+
+def test_seeded_sampled_requests_repeat_under_the_adaptive_policy(checkpoint_factory):
+    """A seeded sampled request draws one uniform per verified position, so its tokens repeat only if its
+    rounds do: while one decodes, the engine keeps the configured K whatever the policy has learned since."""
+    from ssd import LLM, SamplingParams
+
+    target = str(checkpoint_factory("llama"))
+    draft = str(checkpoint_factory("llama", seed=1, num_layers=1))
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3, "adaptive_lookahead": True}
+    seeded = SamplingParams(temperature=0.9, max_tokens=24, seed=11, ignore_eos=True)
+    with LLM(model=target, speculative_config=spec, kv_cache_memory="16MiB") as llm:
+        first = llm.generate([[5, 6, 7, 8]], seeded)[0].token_ids
+        chosen = []
+        choose = llm.engine.lookahead_policy.choose
+        llm.engine.lookahead_policy.choose = lambda ids: chosen.append(choose(ids)) or chosen[-1]
+        greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        llm.generate([[9, 10, 11], [12, 13]], greedy)  # the policy learns (and explores) meanwhile
+        assert chosen  # greedy requests do use the policy
+        chosen.clear()
+        again = llm.generate([[5, 6, 7, 8]], seeded)[0].token_ids
+        assert not chosen  # a seeded sampled request never asks it
+    assert again == first

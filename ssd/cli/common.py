@@ -44,7 +44,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--k", type=int, default=4, help="draft tokens per round (lookahead K)")
     s.add_argument("--adaptive-lookahead", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                    help="choose each round's K in 0..--k from measured acceptance and step times (SSD still caches "
-                        "K): on, off (always --k), or auto (default: adaptive while two or more sequences decode)")
+                        "K): on, off (always --k), or auto (default: on, for SSD from two decoding sequences)")
     s.add_argument("--draft-weight-format", default="auto", choices=list(DRAFT_WEIGHT_FORMATS),
                    help="the draft's weights (default auto: fp16-packed on CPU in float32; int8-packed: int8 "
                         "attention and gate/up projections, faster multi-branch tree steps)")
