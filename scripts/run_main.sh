@@ -16,7 +16,8 @@ PROMPTS=(--chat --prompt "What is the capital of France?" --prompt "Write a Pyth
 WEIGHTS=$(python -c "from ssd.models.weight_formats import fbgemm_available as f; print('fp16-packed' if f() else 'dense')")
 COMMON=(--model "$MODEL" --dtype float32 --weight-format "$WEIGHTS" --max-tokens 48 "${PROMPTS[@]}")
 echo "### autoregressive"; ssd generate "${COMMON[@]}"
-echo "### speculative decoding (draft_model, K=4)"; ssd generate "${COMMON[@]}" --draft "$DRAFT" --method draft_model --k 4
-echo "### speculative decoding, adaptive lookahead (K chosen per step in 0..4)"
-ssd generate "${COMMON[@]}" --draft "$DRAFT" --method draft_model --k 4 --adaptive-lookahead
+echo "### speculative decoding (draft_model, fixed K=4)"
+ssd generate "${COMMON[@]}" --draft "$DRAFT" --method draft_model --k 4 --adaptive-lookahead off
+echo "### speculative decoding, adaptive lookahead (the default: K chosen per step in 0..4)"
+ssd generate "${COMMON[@]}" --draft "$DRAFT" --method draft_model --k 4
 echo "### SSD (K=4, dynamic fan-out, auto fallback, draft in its own process)"; ssd generate "${COMMON[@]}" --draft "$DRAFT" --method ssd --k 4

@@ -29,7 +29,8 @@ def run_sd(target: str, draft: str, prompts: list, k: int, max_tokens: int, dtyp
 
     llm = LLM(model=target, dtype=dtype, kv_cache_memory="512MiB",
               speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": k,
-                                  "prompt_lookup": prompt_lookup, "draft_weight_format": draft_weight_format})
+                                  "prompt_lookup": prompt_lookup, "draft_weight_format": draft_weight_format,
+                                  "adaptive_lookahead": False})  # acceptance length at exactly K drafts
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     before = llm.stats.num_drafts, llm.stats.num_emitted_tokens
