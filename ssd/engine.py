@@ -26,7 +26,7 @@ from ssd.placement import CpuPinning, plan_engine_layout, start_target_runner
 from ssd.request import EncodedPrompt, Request
 from ssd.sample.sampler import make_generator
 from ssd.sampling_params import SamplingParams
-from ssd.spec.lookahead import ADAPTIVE_AUTO, LookaheadPolicy, auto_min_batch_size
+from ssd.spec.lookahead import lookahead_policy
 from ssd.spec.ssd.fallback_policy import RANDOM
 from ssd.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -79,11 +79,7 @@ class LLMEngine:
                 self.shutdown()
                 raise
         self.executor = StepExecutor(self.runner, self.proposer, self.default_generator)
-        self.lookahead_policy = None
-        if self.spec is not None and self.spec.adaptive_lookahead:  # True or "auto"
-            auto = self.spec.adaptive_lookahead == ADAPTIVE_AUTO
-            min_batch = auto_min_batch_size(self.spec.method) if auto else 1
-            self.lookahead_policy = LookaheadPolicy(self.spec.num_speculative_tokens, min_batch_size=min_batch)
+        self.lookahead_policy = None if self.spec is None else lookahead_policy(self.spec)
         self._step_lookahead: int | None = None  # this step's K under the adaptive policy, chosen on first use
         self.requests: dict[int, Request] = {}
         self.stats = SpecStats()
@@ -239,13 +235,7 @@ class LLMEngine:
         if self.lookahead_policy is None:
             return self.spec.num_speculative_tokens
         if self._step_lookahead is None:
-            running = self.scheduler.running
-            if any(s.sampling_params.seed is not None and not s.sampling_params.is_greedy for s in running):
-                # A seeded sampled request draws one uniform per verified position: its tokens repeat from run
-                # to run only if its rounds do, so while one decodes, every round keeps the configured K.
-                self._step_lookahead = self.spec.num_speculative_tokens
-            else:
-                self._step_lookahead = self.lookahead_policy.choose([s.seq_id for s in running])
+            self._step_lookahead = self.lookahead_policy.choose_for(self.scheduler.running)
         return self._step_lookahead
 
     def _speculates(self, request: Request) -> bool:

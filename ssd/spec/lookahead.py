@@ -34,7 +34,20 @@ Pure Python, no torch; unit tested with exact values.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ssd.config import SpeculativeConfig
+    from ssd.sampling_params import SamplingParams
+
+
+class DecodingSequence(Protocol):
+    """What the policy reads of a decoding sequence (``ssd.core.sequence.Sequence``)."""
+
+    seq_id: int
+    sampling_params: "SamplingParams"
 
 
 @dataclass
@@ -94,6 +107,15 @@ def logit_shift(rates: list[float], passed: list[float], tried: list[float], sd:
 # SpeculativeConfig.adaptive_lookahead value: the policy chooses K always for SD and prompt lookup, and for
 # SSD only while two or more sequences decode (``auto_min_batch_size``)
 ADAPTIVE_AUTO = "auto"
+
+
+def lookahead_policy(spec: "SpeculativeConfig") -> "LookaheadPolicy | None":
+    """The policy ``spec.adaptive_lookahead`` asks for: None for a fixed K, else one that chooses from the
+    smallest batch size the setting adapts (1 for True, ``auto_min_batch_size`` for "auto")."""
+    if not spec.adaptive_lookahead:
+        return None
+    auto = spec.adaptive_lookahead == ADAPTIVE_AUTO
+    return LookaheadPolicy(spec.num_speculative_tokens, min_batch_size=auto_min_batch_size(spec.method) if auto else 1)
 
 
 def auto_min_batch_size(method: str) -> int:
@@ -211,6 +233,14 @@ class LookaheadPolicy:
             self._gap[batch_size] = self.EXPLORE_EVERY  # a new best: look at the others again soon
         self._best[batch_size] = k
         return k
+
+    def choose_for(self, seqs: "Sequence[DecodingSequence]") -> int:
+        """`choose` for these decoding sequences, except that while a seeded sampled request decodes, every
+        step keeps K_max: such a request draws one uniform per verified position, so its tokens repeat from
+        run to run only if its rounds do."""
+        if any(s.sampling_params.seed is not None and not s.sampling_params.is_greedy for s in seqs):
+            return self.max_k
+        return self.choose([s.seq_id for s in seqs])
 
     def observe_round(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:
         """A verified round of sequence `seq_id`: `num_accepted` of its `num_drafts` drafts were accepted."""
