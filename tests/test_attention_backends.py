@@ -200,19 +200,9 @@ def test_reference_attention_equals_the_definition(q_lens, kv_lens, tree, num_he
     """The reference layout's masked path (one sequence: no padding gathers; several: padded query rows)
     against per-head softmax attention in float64."""
     gen = torch.Generator().manual_seed(3)
-    shape_cache = (NUM_BLOCKS * 4, BLOCK, num_kv_heads, HEAD_DIM)
+    shape_cache = (NUM_BLOCKS, BLOCK, num_kv_heads, HEAD_DIM)
     cache = KVCache(torch.randn(shape_cache, generator=gen), torch.randn(shape_cache, generator=gen))
-    rng = np.random.default_rng(len(q_lens))
-    slots = rng.permutation(NUM_BLOCKS * 4 * BLOCK)
-    layouts, used = [], 0
-    for q_len, kv_len in zip(q_lens, kv_lens):
-        read = slots[used : used + kv_len]
-        used += kv_len
-        mask = None
-        if tree:
-            mask = np.ones((q_len, kv_len), dtype=bool)
-            mask[:, kv_len - q_len :] = (rng.random((q_len, q_len)) < 0.5) | np.eye(q_len, dtype=bool)
-        layouts.append(SequenceLayout(write_slots=read[kv_len - q_len :], read_slots=read, mask=mask))
+    layouts = _layouts(q_lens, kv_lens, tree, seed=len(q_lens))
     T = sum(q_lens)
     q = torch.randn(T, num_heads, HEAD_DIM, generator=gen)
     k = torch.randn(T, num_kv_heads, HEAD_DIM, generator=gen)

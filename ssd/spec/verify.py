@@ -95,19 +95,16 @@ def verify(
     u = draw_uniforms(generators, [c + 1 for c in counts], k_plus_1, device, default_generator)  # [B, K+1]
 
     p_argmax = target_probs.argmax(dim=-1)  # [B, K+1]
+    accept = tokens == p_argmax[:, :k_max]  # [B, K], greedy rows
     if bool(greedy.all()):  # the uniforms above keep generator streams identical; q and p are not needed
-        accept = (tokens == p_argmax[:, :k_max]) & valid  # [B, K]
-        num_accepted = accept.to(torch.int64).cumprod(dim=-1).sum(dim=-1)  # [B]
-        final = p_argmax.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
-        return _result(tokens, num_accepted, final)
+        num_accepted = _accepted_prefix(accept & valid)  # [B]
+        return _result(tokens, num_accepted, p_argmax.gather(1, num_accepted[:, None]).squeeze(1))
     p = target_probs.float()  # [B, K+1, V]
     q = draft_probs.float().to(device)  # [B, K, V]
     p_d = p[:, :k_max].gather(2, tokens[..., None]).squeeze(-1)  # [B, K]
     q_d = q.gather(2, tokens[..., None]).squeeze(-1)  # [B, K]
     accept_sampled = (q_d > 0) & (u[:, :k_max] * q_d < p_d)  # [B, K]
-    accept_greedy = tokens == p_argmax[:, :k_max]  # [B, K]
-    accept = torch.where(greedy[:, None], accept_greedy, accept_sampled) & valid  # [B, K]
-    num_accepted = accept.to(torch.int64).cumprod(dim=-1).sum(dim=-1)  # [B]
+    num_accepted = _accepted_prefix(torch.where(greedy[:, None], accept, accept_sampled) & valid)  # [B]
     rejected = num_accepted < n  # [B]
 
     p_final = p.gather(1, num_accepted[:, None, None].expand(b, 1, vocab)).squeeze(1)  # [B, V]
@@ -123,6 +120,11 @@ def verify(
     sampled = sample_with_uniforms(dist, u_final)  # [B]
     final = torch.where(greedy, p_argmax.gather(1, num_accepted[:, None]).squeeze(1), sampled)  # [B]
     return _result(tokens, num_accepted, final)
+
+
+def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
+    """Per row of ``accept [B, K]``, how many drafts are accepted before the first rejection: ``[B]``."""
+    return accept.to(torch.int64).cumprod(dim=-1).sum(dim=-1)
 
 
 def _result(tokens: torch.Tensor, num_accepted: torch.Tensor, final: torch.Tensor) -> VerifyResult:
