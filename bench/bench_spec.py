@@ -25,7 +25,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ssd.dtypes import AUTO_DTYPE_HELP, DTYPE_NAMES, resolve_dtype  # noqa: E402
+from ssd.config import EngineConfig  # noqa: E402
+from ssd.dtypes import resolve_dtype  # noqa: E402
+from ssd.options import Dtype, option_help  # noqa: E402
 
 from common import (  # noqa: E402
     ACCEPT_HIST_PREFIX,
@@ -87,8 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target-threads", type=int, default=1, help="target threads in the extra-device layout")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"subset of {','.join(LAYOUTS)}")
     p.add_argument("--repeats", type=int, default=2, help="interleaved repeats of every configuration")
-    p.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
-                   help=f"dtype of target and draft; {AUTO_DTYPE_HELP} (float32 also makes greedy output "
+    p.add_argument("--dtype", default="auto", choices=Dtype.values(),
+                   help=f"dtype of target and draft; {option_help(EngineConfig, 'dtype')} (float32 also makes greedy output "
                         "independent of batch shape)")
     add_weight_format_args(p)
     p.add_argument("--kv-cache-memory", default="256MiB", help="KV cache budget of the target")

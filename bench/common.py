@@ -825,26 +825,26 @@ def load_hf_assistant(path: str, torch_dtype: Any) -> Any:
 
 
 def add_filler_padding_arg(p: argparse.ArgumentParser) -> None:
-    from ssd.spec.ssd.fallback_policy import AUTO, FILLER_PADDINGS
+    from ssd.options import FillerPadding
 
-    p.add_argument("--filler-padding", default=AUTO, choices=list(FILLER_PADDINGS),
+    p.add_argument("--filler-padding", default="auto", choices=FillerPadding.values(),
                    help="SSD random fillers past prompt lookup's copies (as the engine: auto = none on CPU)")
 
 
 def add_weight_format_args(p: argparse.ArgumentParser) -> None:
-    from ssd.models.weight_formats import DRAFT_WEIGHT_FORMATS, WEIGHT_FORMATS
+    from ssd.options import TARGET_WEIGHT_FORMATS, WeightFormat
 
-    p.add_argument("--weight-format", default="auto", choices=list(WEIGHT_FORMATS),
+    p.add_argument("--weight-format", default="auto", choices=[f.value for f in TARGET_WEIGHT_FORMATS],
                    help="the target's weights (as the engine: auto = fp16-packed when --dtype auto chose float32)")
-    p.add_argument("--draft-weight-format", default="auto", choices=list(DRAFT_WEIGHT_FORMATS),
+    p.add_argument("--draft-weight-format", default="auto", choices=WeightFormat.values(),
                    help="the draft's weights (as the engine: auto = fp16-packed in float32 on CPU)")
 
 
 def resolve_weight_formats(args: argparse.Namespace, requested_dtype: str) -> None:
     """Concrete ``args.weight_format`` / ``args.draft_weight_format`` for ``args.dtype`` (already resolved from
     ``requested_dtype``), as the engine resolves them, so that they are recorded with the results."""
-    from ssd.models.weight_formats import AUTO, resolve_weight_format
+    from ssd.models.weight_formats import resolve_weight_format
 
     args.weight_format = resolve_weight_format(args.weight_format, "cpu", args.dtype,
-                                               explicit_dtype=requested_dtype != AUTO)
+                                               explicit_dtype=requested_dtype != "auto")
     args.draft_weight_format = resolve_weight_format(args.draft_weight_format, "cpu", args.dtype, draft=True)

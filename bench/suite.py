@@ -24,7 +24,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ssd.dtypes import AUTO_DTYPE_HELP, DTYPE_NAMES, resolve_dtype  # noqa: E402
+from ssd.config import EngineConfig  # noqa: E402
+from ssd.dtypes import resolve_dtype  # noqa: E402
+from ssd.options import Dtype, option_help  # noqa: E402
 
 from bench_spec import LAYOUTS, batch_prompts, build_specs, pair_description, placements, run_metrics, summarise  # noqa: E402
 from bench_spec import speculative_config  # noqa: E402
@@ -91,8 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2, help="interleaved repeats of every configuration")
     p.add_argument("--hf-threads", type=int, default=None, help="threads of transformers (default --target-threads)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate / assisted generation")
-    p.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
-                   help=f"dtype of target and draft; {AUTO_DTYPE_HELP} (float32 also makes greedy output "
+    p.add_argument("--dtype", default="auto", choices=Dtype.values(),
+                   help=f"dtype of target and draft; {option_help(EngineConfig, 'dtype')} (float32 also makes greedy output "
                         "independent of batch shape)")
     add_weight_format_args(p)
     p.add_argument("--exact-dtype", default="float32", choices=["float32", "bfloat16", "none"],

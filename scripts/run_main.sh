@@ -15,6 +15,8 @@ DRAFT=${SSD_DRAFT:-models/smollm2-draft}
 PROMPTS=(--chat --prompt "What is the capital of France?" --prompt "Write a Python function that reverses a string.")
 WEIGHTS=$(python -c "from ssd.models.weight_formats import fbgemm_available as f; print('fp16-packed' if f() else 'dense')")
 COMMON=(--model "$MODEL" --dtype float32 --weight-format "$WEIGHTS" --max-tokens 48 "${PROMPTS[@]}")
+echo "Each mode runs in a process of its own: it loads, generates 16 tokens for a fixed prompt untimed (one-time"
+echo "start-up costs), then times the generation of the prompts below; tok/s counts only that generation."
 echo "### autoregressive"; ssd generate "${COMMON[@]}"
 echo "### speculative decoding (draft_model, fixed K=4)"
 ssd generate "${COMMON[@]}" --draft "$DRAFT" --method draft_model --k 4 --adaptive-lookahead off

@@ -1,17 +1,35 @@
-"""Typed engine configuration with validation at construction time."""
+"""Typed engine configuration, validated at construction time.
+
+Every option is declared once, as a field with its help text, the processes that read it and its command line
+spelling (``ssd/options.py: option``); the ``ssd`` command's flags, the tensor-parallel ranks' runner arguments
+and the SSD draft worker's settings are generated from these declarations. This module imports only the
+option vocabulary and the standard library: what ``"auto"`` means on the machine (dtypes, weight formats,
+filler padding) is decided when the engine starts (``ssd/resolve.py``).
+"""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-from ssd.dtypes import DTYPE_NAMES, resolve_dtype
-from ssd.models.weight_formats import AUTO, DRAFT_WEIGHT_FORMATS, resolve_weight_format
-from ssd.spec.lookahead import ADAPTIVE_AUTO
-from ssd.spec.lookup import LookupConfig
-from ssd.spec.ssd.fallback_policy import FALLBACKS, FILLER_PADDINGS
-from ssd.spec.ssd.fanout import check_budget, has_adjustable_budget
+from ssd.options import (
+    TARGET_WEIGHT_FORMATS,
+    AdaptiveMode,
+    Dtype,
+    Fallback,
+    FanOutKind,
+    FanOutSpec,
+    FillerPadding,
+    LookupConfig,
+    Process,
+    SpecMethod,
+    WeightFormat,
+    is_int,
+    option,
+)
+
+DRAFT, RANK = Process.DRAFT_WORKER, Process.TARGET_RANK
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNIT_POWER = {"B": 0, "K": 1, "M": 2, "G": 3, "T": 4}
@@ -34,51 +52,60 @@ def parse_bytes(value: int | float | str) -> int:
     return result
 
 
-SPEC_METHODS = ("draft_model", "ssd", "ngram")  # ngram: prompt lookup alone, no draft model
-
 
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding options, named as in vLLM where a counterpart exists."""
 
-    method: str = "draft_model"
-    model: str | None = None
-    num_speculative_tokens: int = 4
-    # choose each step's K in 0..num_speculative_tokens from the measured acceptance per depth and the
-    # measured step time per batch size (ssd/spec/lookahead.py); SSD still builds its cache for the full K.
-    # "auto": adaptive for SD and prompt lookup; for SSD while two or more sequences decode together, the full K
-    # for one (ssd/spec/lookahead.py: auto_min_batch_size; measurements in the README, Adaptive lookahead).
-    adaptive_lookahead: bool | str = "auto"
-    # False: the step that finishes a prompt emits its one token without waiting for the draft's prefill and
-    # drafts (a shorter time to first token; SSD's worker prefills while the target does), and speculation
-    # starts with the next step. True: that step also verifies a speculation (up to K + 1 first tokens at once).
-    prompt_step_speculation: bool = False
-    draft_dtype: str | None = None  # default: the target's dtype; "auto" resolves for the draft's device
-    # "auto": float16 weights packed for FBGEMM where the draft runs on CPU in float32 (ssd/models/weight_formats.py)
-    draft_weight_format: str = AUTO
-    # Drafts copy the token that followed the longest earlier match (>= min, counted to max tokens) of the
-    # context's suffix, when there is one (ssd/spec/lookup.py); both SD and SSD.
-    prompt_lookup: bool = True
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 8
-    # SSD only
-    # "auto": geometric allocation; "dynamic": each sequence's likeliest outcomes; both with the budget steered
-    # by BudgetController (ssd/spec/ssd/fanout.py, dynamic_fanout.py)
-    fan_out: int | list[int] | str = "dynamic"
-    fan_out_miss: int | list[int] | str | None = None
-    fan_out_budget: int | None = None  # branches per sequence of "auto"/"dynamic" fan-outs; None: adapted online
-    fallback: str = "auto"  # on a cache miss: jit or random, chosen from measured rates (FallbackPolicy)
-    # random fillers past prompt lookup's copies: "none", "repeat" the pending token up to K, or "auto"
-    # (none on CPU, repeat on CUDA), see ssd/spec/ssd/fallback_policy.py
-    filler_padding: str = "auto"
-    saguaro_c: float = 1.0
-    # The draft stops building its speculation cache when the target's next request arrives, or before a tree
-    # step that would still run when the request is due; every branch keeps the tokens drafted so far
-    # (ssd/spec/ssd/build_clock.py, draft_engine.py). False: builds always reach K.
-    interruptible_build: bool = True
-    draft_device: str | None = None
-    draft_threads: int | None = None
-    draft_timeout_s: float = 60.0
+    method: SpecMethod = option(
+        SpecMethod.DRAFT_MODEL, "draft_model (ordinary SD), ssd (the draft in its own process), or ngram (prompt "
+        "lookup alone, no draft model)", cli_default=SpecMethod.SSD)
+    model: str | None = option(None, "draft checkpoint folder; enables speculation", processes=(DRAFT,),
+                               flags=("--draft",))
+    num_speculative_tokens: int = option(4, "draft tokens per round (lookahead K)", processes=(DRAFT,),
+                                         flags=("--k", "--num-speculative-tokens"))
+    adaptive_lookahead: AdaptiveMode = option(
+        AdaptiveMode.AUTO, "choose each round's K in 0..K from measured acceptance and step times (SSD still "
+        "builds its cache K deep): on, off (always K), or auto (on; for SSD from two decoding sequences, see "
+        "ssd/spec/lookahead.py: auto_min_batch_size)", const=AdaptiveMode.ON.value)
+    prompt_step_speculation: bool = option(
+        False, "the step that finishes a prompt also verifies drafts (up to K + 1 first tokens at once); default: "
+        "it emits its one token without waiting for the draft, a lower time to first token (SSD's worker "
+        "prefills while the target does), and speculation starts with the next step")
+    draft_dtype: Dtype | None = option(None, "the draft's dtype (default: the target's; auto resolves for the "
+                                             "draft's device)", processes=(DRAFT,))
+    draft_weight_format: WeightFormat = option(
+        WeightFormat.AUTO, "the draft's weights: auto (fp16-packed where it runs on CPU in float32), dense, "
+        "fp16-packed, or int8-packed (int8 attention and gate/up projections: faster many-branch tree steps)",
+        processes=(DRAFT,))
+    prompt_lookup: bool = option(
+        True, "drafts copy the token that followed the longest earlier match of the context's suffix, where "
+        "there is one (ssd/spec/lookup.py; SD and SSD)", processes=(DRAFT,))
+    prompt_lookup_min: int = option(2, "shortest context match prompt lookup copies after", processes=(DRAFT,))
+    prompt_lookup_max: int = option(8, "longest match prompt lookup compares", processes=(DRAFT,))
+    fan_out: FanOutSpec = option(
+        FanOutSpec(FanOutKind.DYNAMIC), "SSD fan-out: dynamic (each sequence's likeliest outcomes), auto "
+        "(geometric), an int, or a comma list F_0..F_K (ssd/spec/ssd/fanout.py)", processes=(DRAFT,),
+        parse=FanOutSpec.parse)
+    fan_out_miss: FanOutSpec | None = option(None, "SSD fan-out for rounds after a miss (default: fan_out)",
+                                             processes=(DRAFT,), parse=FanOutSpec.parse)
+    fan_out_budget: int | None = option(None, "branches per sequence of auto and dynamic fan-outs (default: "
+                                              "adapted so the draft keeps up)", processes=(DRAFT,))
+    fallback: Fallback = option(Fallback.AUTO, "SSD, on a cache miss: jit, random, or auto (the faster one as "
+                                               "measured: ssd/spec/ssd/fallback_policy.py)")
+    filler_padding: FillerPadding = option(
+        FillerPadding.AUTO, "SSD random fillers past prompt lookup's copies: none, repeat (the pending token up "
+        "to K), or auto (none on CPU, repeat on CUDA)", processes=(DRAFT,))
+    saguaro_c: float = option(1.0, "Saguaro sampling constant in (0, 1] (C < 1 favours cached candidates)",
+                              processes=(DRAFT,))
+    interruptible_build: bool = option(
+        True, "SSD: the draft stops building its speculation cache when the target's next request arrives or "
+        "is due, each branch keeping the tokens drafted so far (ssd/spec/ssd/build_clock.py); off: builds "
+        "always reach K", processes=(DRAFT,), off_flags=("--full-builds",))
+    draft_device: str | None = option(None, "the draft's device (default: the target's)", processes=(DRAFT,))
+    draft_threads: int | None = option(None, "torch threads of the draft (default: its cores)", processes=(DRAFT,))
+    draft_timeout_s: float = option(60.0, "SSD: a draft worker silent this long is given up (decoding goes "
+                                          "on without speculation)")
 
     @classmethod
     def from_any(cls, value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":
@@ -93,101 +120,131 @@ class SpeculativeConfig:
         return cls(**value)
 
     def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise ValueError(f"speculative method {self.method!r} is not supported; choose one of {SPEC_METHODS}")
-        if self.method == "ngram":
+        self.method = SpecMethod.parse(self.method, "speculative method")
+        if self.method is SpecMethod.NGRAM:
             if self.model:
                 raise ValueError("method 'ngram' drafts with prompt lookup alone; leave 'model' unset")
             if not self.prompt_lookup:
                 raise ValueError("method 'ngram' drafts with prompt lookup only; it needs prompt_lookup=True")
         elif not self.model:
             raise ValueError("speculative_config needs 'model': the path of the draft checkpoint")
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
-        if not (isinstance(self.adaptive_lookahead, bool) or self.adaptive_lookahead == ADAPTIVE_AUTO):
-            raise ValueError(f"adaptive_lookahead must be True, False or 'auto', got {self.adaptive_lookahead!r}")
-        if not isinstance(self.prompt_step_speculation, bool):
-            raise ValueError(f"prompt_step_speculation must be True or False, got {self.prompt_step_speculation!r}")
+        K = self.num_speculative_tokens
+        if not is_int(K) or K < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {K!r}")
+        self.adaptive_lookahead = AdaptiveMode.parse(self.adaptive_lookahead)
+        _check_bool(self, "prompt_step_speculation", "prompt_lookup", "interruptible_build")
+        self.fan_out = FanOutSpec.parse(self.fan_out)
+        if self.fan_out_miss is not None:
+            self.fan_out_miss = FanOutSpec.parse(self.fan_out_miss)
+        for spec in self.fan_outs:
+            if not spec.adjustable:
+                spec.per_k(K)  # a list's length must be K + 1
         if self.fan_out_budget is not None:
-            check_budget(self.fan_out_budget, "fan_out_budget")
-            if not any(has_adjustable_budget(f) for f in (self.fan_out, self.fan_out_miss)):
+            if not is_int(self.fan_out_budget) or self.fan_out_budget < 1:
+                raise ValueError(f"fan_out_budget must be an integer >= 1 (branches per sequence), got "
+                                 f"{self.fan_out_budget!r}")
+            if not any(spec.adjustable for spec in self.fan_outs):
                 raise ValueError("fan_out_budget only applies to a fan_out or fan_out_miss of 'auto' or 'dynamic'")
         _ = self.lookup  # validates prompt_lookup_min / prompt_lookup_max
-        if self.fallback not in FALLBACKS:
-            raise ValueError(f"fallback must be one of {FALLBACKS}, got {self.fallback!r}")
-        if self.filler_padding not in FILLER_PADDINGS:
-            raise ValueError(f"filler_padding must be one of {FILLER_PADDINGS}, got {self.filler_padding!r}")
-        if not isinstance(self.interruptible_build, bool):
-            raise ValueError(f"interruptible_build must be True or False, got {self.interruptible_build!r}")
-        if not (0.0 < float(self.saguaro_c) <= 1.0):
+        self.fallback = Fallback.parse(self.fallback, "fallback")
+        self.filler_padding = FillerPadding.parse(self.filler_padding, "filler_padding")
+        if isinstance(self.saguaro_c, bool) or not isinstance(self.saguaro_c, (int, float)) \
+                or not 0.0 < self.saguaro_c <= 1.0:
             raise ValueError(f"saguaro_c must be in (0, 1], got {self.saguaro_c!r}")
-        if self.draft_timeout_s <= 0:
+        if not self.draft_timeout_s > 0:
             raise ValueError(f"draft_timeout_s must be positive, got {self.draft_timeout_s!r}")
-        if self.draft_dtype is not None and self.draft_dtype not in DTYPE_NAMES:
-            raise ValueError(f"draft_dtype {self.draft_dtype!r} is not supported; choose one of {list(DTYPE_NAMES)}")
-        if self.draft_weight_format not in DRAFT_WEIGHT_FORMATS:
-            raise ValueError(f"draft_weight_format {self.draft_weight_format!r} is not supported; choose one of "
-                             f"{list(DRAFT_WEIGHT_FORMATS)}")
+        if self.draft_threads is not None and (not is_int(self.draft_threads) or self.draft_threads < 1):
+            raise ValueError(f"draft_threads must be a positive integer, got {self.draft_threads!r}")
+        if self.draft_dtype is not None:
+            self.draft_dtype = Dtype.parse(self.draft_dtype, "draft_dtype")
+        self.draft_weight_format = WeightFormat.parse(self.draft_weight_format, "draft_weight_format")
 
     @property
     def lookup(self) -> LookupConfig:
         return LookupConfig(bool(self.prompt_lookup), self.prompt_lookup_min, self.prompt_lookup_max)
+
+    @property
+    def fan_outs(self) -> tuple[FanOutSpec, FanOutSpec]:
+        """The fan-outs of cache builds after a hit and after a miss."""
+        return self.fan_out, self.fan_out_miss or self.fan_out
 
 
 @dataclass
 class EngineConfig:
     """Everything the engine needs to start; validated eagerly so mistakes surface before any model loads."""
 
-    model: str
-    tokenizer: str | None = None
-    dtype: str = "auto"  # see ssd.dtypes.resolve_dtype: float32 (+ packed fp16 weights) on CPU, bf16 on CUDA
-    # "auto": float16 weights packed for FBGEMM where dtype "auto" resolved to float32 on CPU (an explicit
-    # dtype="float32" keeps float32 weights); "dense" or "fp16-packed" to choose (ssd/models/weight_formats.py)
-    weight_format: str = AUTO
-    device: str = "cpu"
-    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 4096
-    block_size: int = 16
-    kv_cache_memory: int | str | None = None  # KV cache bytes per target rank; default from kv_cache_fraction
-    kv_cache_fraction: float = 0.25  # of currently available device memory, when kv_cache_memory is unset
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads per target rank (CPU)
-    tensor_parallel_size: int = 1  # target ranks; rank 0 is this process, the others are spawned (or torchrun)
-    distributed_timeout_s: float = 300.0  # a collective stuck this long means a rank is gone
-    enforce_eager: bool = False  # CUDA: never capture CUDA graphs (no effect on CPU)
-    compile_model: bool = False  # CUDA: torch.compile the forward of graph-captured steps
-    fused_kernels: bool = True  # CUDA with Triton: fused norm, RoPE + K/V write, SiLU and attention kernels
+    model: str = option(help="target checkpoint folder (command line default: the fetched SmolLM2-135M)",
+                        processes=(RANK,), cli_default=None)
+    tokenizer: str | None = option(None, "tokenizer folder (default: the model's)")
+    dtype: Dtype = option(Dtype.AUTO, "auto: float32 with packed float16 weights on CPUs with FBGEMM (else "
+                                      "bfloat16 where the CPU computes it natively, else float32); bfloat16 on "
+                                      "CUDA GPUs that support it, else float16 (ssd/dtypes.py)", processes=(RANK,))
+    weight_format: WeightFormat = option(
+        WeightFormat.AUTO, "fp16-packed: float16 weights in FBGEMM's packed GEMM (CPU, float32); auto: that where "
+        "dtype auto chose float32 (an explicit float32 keeps float32 weights), else dense "
+        "(ssd/models/weight_formats.py)", processes=(RANK,), choices=[f.value for f in TARGET_WEIGHT_FORMATS])
+    device: str = option("cpu", "the target's device (cpu, cuda, cuda:1, ...)")
+    max_model_len: int | None = option(None, "longest sequence (default: the model's max_position_embeddings, "
+                                             "capped at 4096)", processes=(RANK,))
+    block_size: int = option(16, "KV cache block size in tokens", processes=(RANK, DRAFT))
+    kv_cache_memory: int | str | None = option(None, "KV cache bytes per target rank, e.g. 1GiB (default: "
+                                                     "kv_cache_fraction of free memory)", processes=(RANK,), parse=str)
+    kv_cache_fraction: float = option(0.25, "share of available device memory for the KV cache when "
+                                            "kv_cache_memory is unset", processes=(RANK,))
+    max_num_seqs: int = option(16, "most sequences in one step", processes=(RANK,))
+    max_num_batched_tokens: int = option(2048, "most tokens in one step")
+    enable_prefix_caching: bool = option(True, "reuse cached KV blocks of identical prompt prefixes",
+                                         processes=(DRAFT,), flags=("--prefix-caching",))
+    enable_chunked_prefill: bool = option(True, "split long prompts across steps", flags=("--chunked-prefill",))
+    seed: int = option(0, "seed of the engine's default generator (and the draft worker's)", processes=(DRAFT,))
+    num_threads: int | None = option(None, "torch intra-op threads per target rank (CPU)", flags=("--threads",))
+    tensor_parallel_size: int = option(1, "target ranks; ranks 1.. are spawned on this host, or started by "
+                                          "torchrun (see README)", flags=("--tensor-parallel-size", "-tp"))
+    distributed_timeout_s: float = option(300.0, "a collective stuck this long means a rank is gone")
+    enforce_eager: bool = option(False, "CUDA: never capture CUDA graphs (no effect on CPU)")
+    compile_model: bool = option(False, "CUDA: torch.compile the forward of graph-captured steps")
+    fused_kernels: bool = option(True, "CUDA with Triton: fused norm, RoPE + K/V write, SiLU and attention kernels",
+                                 processes=(RANK, DRAFT))
     speculative_config: SpeculativeConfig | dict[str, Any] | None = field(default=None)
 
     def __post_init__(self) -> None:
-        requested_dtype, self.dtype = self.dtype, resolve_dtype(self.dtype, self.device)
-        self.weight_format = resolve_weight_format(
-            self.weight_format, self.device, self.dtype, explicit_dtype=requested_dtype != AUTO
-        )
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be the path of a checkpoint folder, got {self.model!r}")
+        self.dtype = Dtype.parse(self.dtype, "dtype")
+        if self.weight_format not in TARGET_WEIGHT_FORMATS:
+            raise ValueError(f"weight format {self.weight_format!r} is not supported for a target; choose one of "
+                             f"{[f.value for f in TARGET_WEIGHT_FORMATS]}")
+        self.weight_format = WeightFormat(self.weight_format)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+        if self.max_model_len is not None and (not is_int(self.max_model_len) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if not 0.0 < self.kv_cache_fraction <= 0.95:
             raise ValueError(f"kv_cache_fraction must be in (0, 0.95], got {self.kv_cache_fraction!r}")
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
-        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+        if self.num_threads is not None and (not is_int(self.num_threads) or self.num_threads < 1):
             raise ValueError(f"num_threads must be a positive integer, got {self.num_threads!r}")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+        if not is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if not self.distributed_timeout_s > 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s!r}")
+        _check_bool(self, "enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "compile_model",
+                    "fused_kernels")
         self.speculative_config = SpeculativeConfig.from_any(self.speculative_config)
-        spec = self.speculative_config
-        if spec is not None:  # the draft's own device decides what "auto" means for it (a copy: no caller mutation)
-            draft_device = spec.draft_device or self.device
-            draft_dtype = resolve_dtype(spec.draft_dtype or requested_dtype, draft_device)
-            weight_format = resolve_weight_format(spec.draft_weight_format, draft_device, draft_dtype, draft=True)
-            self.speculative_config = replace(spec, draft_dtype=draft_dtype, draft_weight_format=weight_format)
+
+    @property
+    def spec(self) -> SpeculativeConfig | None:
+        """The speculative options (None: plain autoregressive decoding)."""
+        return self.speculative_config  # type: ignore[return-value]  # made a SpeculativeConfig by __post_init__
+
+
+def _check_bool(config: object, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+
 

@@ -18,11 +18,10 @@ import functools
 import logging
 from pathlib import Path
 
+from ssd.options import Dtype
+
 logger = logging.getLogger(__name__)
 
-DTYPE_NAMES = ("auto", "bfloat16", "float32", "float16")
-AUTO_DTYPE_HELP = ("auto: float32 with packed float16 weights on CPUs with FBGEMM (else bfloat16 where the CPU "
-                   "computes it natively, else float32); bfloat16 on CUDA GPUs that support it, else float16")
 NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
@@ -43,22 +42,21 @@ def cpu_has_native_bf16() -> bool:
     return any(flag in cpu_flags() for flag in NATIVE_BF16_CPU_FLAGS)
 
 
-def resolve_dtype(name: str, device: str) -> str:
-    """The concrete dtype name for ``name`` on ``device`` (``name`` unchanged unless it is ``auto``)."""
-    if name not in DTYPE_NAMES:
-        raise ValueError(f"dtype {name!r} is not supported; choose one of {list(DTYPE_NAMES)}")
-    if name != "auto":
+def resolve_dtype(name: Dtype | str, device: str) -> Dtype:
+    """The concrete dtype for ``name`` on ``device`` (``name`` unchanged unless it is ``auto``)."""
+    name = Dtype.parse(name, "dtype")
+    if name is not Dtype.AUTO:
         return name
     if device.startswith("cuda"):
         import torch
 
-        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float16"
+        return Dtype.BFLOAT16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else Dtype.FLOAT16
     from ssd.models.weight_formats import fbgemm_available  # imports torch: only when resolving for a CPU
 
     if fbgemm_available():
-        chosen = "float32"  # weights stored as packed float16 (weight_format "auto")
+        chosen = Dtype.FLOAT32  # weights stored as packed float16 (weight_format "auto")
     else:
-        chosen = "bfloat16" if cpu_has_native_bf16() else "float32"
+        chosen = Dtype.BFLOAT16 if cpu_has_native_bf16() else Dtype.FLOAT32
     logger.debug("dtype auto on %s: %s", device, chosen)
     return chosen
 

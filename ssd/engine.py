@@ -24,10 +24,12 @@ from ssd.models.loader import load_arch_config
 from ssd.outputs import RequestMetrics, RequestOutput, SpecStats
 from ssd.placement import CpuPinning, plan_engine_layout, start_target_runner
 from ssd.request import EncodedPrompt, Request
+from ssd.resolve import resolve_config
 from ssd.sample.sampler import make_generator
 from ssd.sampling_params import SamplingParams
+from ssd.spec.factory import build_proposer
 from ssd.spec.lookahead import lookahead_policy
-from ssd.spec.ssd.fallback_policy import RANDOM
+from ssd.spec.proposal import TargetFacts, VerifiedRound
 from ssd.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -37,7 +39,7 @@ class LLMEngine:
     """Synchronous engine: call :meth:`add_request`, then :meth:`step` until :meth:`has_unfinished`."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        config = self.config = resolve_config(config)  # every "auto" decided for this machine
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         load_arch_config(config.model)  # a missing folder or broken config.json is reported as such, first
@@ -74,7 +76,8 @@ class LLMEngine:
         self.proposer = None
         if self.spec is not None:
             try:
-                self.proposer = self._build_proposer()
+                self.proposer = build_proposer(config, self._target_facts(), self.tokenizer, self.default_generator,
+                                               self.layout.draft_cpus)
             except BaseException:
                 self.shutdown()
                 raise
@@ -85,21 +88,25 @@ class LLMEngine:
         self.stats = SpecStats()
         self._seq_ids = itertools.count()
 
-    def _build_proposer(self):
-        from ssd.spec.factory import build_proposer
-
-        return build_proposer(self)
+    def _target_facts(self) -> TargetFacts:
+        return TargetFacts(
+            vocab_size=self.runner.vocab_size,
+            hidden_size=self.runner.arch.hidden_size,
+            device=str(self.device),
+            dtype=self.config.dtype,
+            max_model_len=self.max_model_len,
+            num_kv_blocks=self.runner.num_blocks,
+        )
 
     @property
     def spec_stats(self) -> SpecStats:
-        """Engine-wide speculative counters, with the draft worker's cache-build time and branches when it
-        has them."""
-        build_time = getattr(self.proposer, "draft_build_time_s", None)
-        if build_time is not None:
-            self.stats.draft_build_time_s = build_time
-            self.stats.draft_build_branches = self.proposer.draft_build_branches
-            self.stats.draft_builds = self.proposer.draft_builds
-            self.stats.draft_builds_cut_short = self.proposer.draft_builds_cut_short
+        """Engine-wide speculative counters, with the proposer's draft-side ones (an SSD worker's cache builds)."""
+        if self.proposer is not None:
+            draft = self.proposer.statistics()
+            self.stats.draft_build_time_s = draft.build_time_s
+            self.stats.draft_build_branches = draft.build_branches
+            self.stats.draft_builds = draft.builds
+            self.stats.draft_builds_cut_short = draft.builds_cut_short
         return self.stats
 
     # ---------------------------------------------------------------- requests
@@ -132,7 +139,7 @@ class LLMEngine:
             metrics=RequestMetrics(arrival_time=now, num_prompt_tokens=len(token_ids)),
             stop_token_ids=stop_ids,
             logprobs=[] if params.logprobs is not None else None,
-            speculation=self.spec.method if self.spec is not None else "off",
+            speculation=self.spec.method.value if self.spec is not None else "off",
         )
         self.requests[seq_id] = request
         self.scheduler.add(seq)
@@ -248,7 +255,7 @@ class LLMEngine:
     def _label_speculation(self, request: Request) -> None:
         """Tell the request's outputs why it decodes without speculation once the draft has failed."""
         if self.proposer is not None and not self.proposer.available:
-            request.speculation = f"disabled: {getattr(self.proposer, 'failure', None) or 'draft unavailable'}"
+            request.speculation = f"disabled: {self.proposer.failure or 'draft unavailable'}"
 
     def _banned_tokens(self, request: Request) -> list[int]:
         if request.seq.num_output_tokens < request.params.min_tokens:
@@ -265,7 +272,7 @@ class LLMEngine:
             new_tokens = result.new_tokens.get(seq.seq_id, [])
             round_ = result.rounds.get(seq.seq_id)
             if round_ is not None:
-                self._record_round(request, round_, result)
+                self._record_round(request, round_)
             if not new_tokens:
                 self.kv_manager.cache_full_blocks(seq)
                 continue
@@ -296,17 +303,15 @@ class LLMEngine:
             self.proposer.on_verified(list(result.rounds.values()))
         return outputs
 
-    def _record_round(self, request: Request, round_, result: StepResult) -> None:
-        hit, fallback = result.lookup(request.seq.seq_id)
-        copied = result.copied(request.seq.seq_id)
-        if self.lookahead_policy is not None and fallback != RANDOM:
-            # A random filler's drafts are prompt-lookup copies (or none), not the draft model's: their
-            # acceptance says nothing about the rates the next speculation will have.
+    def _record_round(self, request: Request, round_: VerifiedRound) -> None:
+        origin = round_.origin
+        if self.lookahead_policy is not None and origin.informative:
             self.lookahead_policy.observe_round(request.seq.seq_id, round_.num_drafts, round_.num_accepted)
         for stats in (request.spec_stats, self.stats):
-            stats.record_round(round_.num_drafts, round_.num_accepted, copied)
-            if hit is not None:
-                stats.record_lookup(max(request.last_accepted, 0), hit, round_.num_accepted, fallback)
+            stats.record_round(round_.num_drafts, round_.num_accepted, origin.copied)
+            if origin.cache_hit is not None:
+                stats.record_lookup(max(request.last_accepted, 0), origin.cache_hit, round_.num_accepted,
+                                    origin.fallback)
         request.last_accepted = round_.num_accepted
 
     def _check_stop(self, request: Request, token: int) -> FinishReason | None:

@@ -10,6 +10,7 @@ import pytest
 from ssd import dtypes
 from ssd.config import EngineConfig
 from ssd.models import weight_formats
+from ssd.resolve import resolve_config
 
 
 @pytest.fixture
@@ -34,7 +35,7 @@ def test_auto_on_cpu_without_fbgemm_follows_native_bf16(cpu_flags, flags, expect
 def test_auto_on_cpu_with_fbgemm_is_float32_with_packed_weights(cpu_flags, flags) -> None:
     cpu_flags(*flags, fbgemm=True)
     assert dtypes.resolve_dtype("auto", "cpu") == "float32"
-    assert EngineConfig(model="m").weight_format == "fp16-packed"
+    assert resolve_config(EngineConfig(model="m")).weight_format == "fp16-packed"
 
 
 def test_explicit_dtypes_pass_through_and_unknown_ones_are_refused(cpu_flags) -> None:
@@ -43,16 +44,21 @@ def test_explicit_dtypes_pass_through_and_unknown_ones_are_refused(cpu_flags) ->
         assert dtypes.resolve_dtype(name, "cpu") == name
     with pytest.raises(ValueError, match="dtype 'fp8' is not supported"):
         dtypes.resolve_dtype("fp8", "cpu")
+    with pytest.raises(ValueError, match="dtype 'fp8' is not supported"):
+        EngineConfig(model="m", dtype="fp8")
 
 
 def test_engine_config_resolves_target_and_draft_dtypes(cpu_flags) -> None:
     cpu_flags("avx2")
-    config = EngineConfig(model="m", speculative_config={"method": "ssd", "model": "d"})
+    requested = EngineConfig(model="m", speculative_config={"method": "ssd", "model": "d"})
+    config = resolve_config(requested)
     assert config.dtype == "float32" and config.speculative_config.draft_dtype == "float32"
-    config = EngineConfig(model="m", dtype="bfloat16", speculative_config={"model": "d"})
+    assert requested.dtype == "auto" and requested.spec.draft_dtype is None  # what the user asked for is kept
+    config = resolve_config(EngineConfig(model="m", dtype="bfloat16", speculative_config={"model": "d"}))
     assert config.speculative_config.draft_dtype == "bfloat16"  # the draft follows an explicit target dtype
     spec = {"model": "d", "draft_dtype": "auto"}
-    assert EngineConfig(model="m", dtype="bfloat16", speculative_config=spec).speculative_config.draft_dtype == "float32"
+    config = resolve_config(EngineConfig(model="m", dtype="bfloat16", speculative_config=spec))
+    assert config.speculative_config.draft_dtype == "float32"
     with pytest.raises(ValueError, match="draft_dtype 'int4' is not supported"):
         EngineConfig(model="m", speculative_config={"model": "d", "draft_dtype": "int4"})
 

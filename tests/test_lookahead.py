@@ -5,6 +5,7 @@ import math
 import pytest
 
 from ssd.config import SpeculativeConfig
+from ssd.options import AdaptiveMode
 from ssd.spec.lookahead import LookaheadPolicy, _Line, logit_shift
 
 
@@ -175,10 +176,11 @@ def test_below_min_batch_size_the_policy_keeps_k_max_and_does_not_explore():
 
 
 def test_config_accepts_adaptive_lookahead_for_both_methods():
-    assert SpeculativeConfig(model="d", adaptive_lookahead=True).adaptive_lookahead is True
-    assert SpeculativeConfig(method="ssd", model="d", adaptive_lookahead=True).adaptive_lookahead is True
+    assert SpeculativeConfig(model="d", adaptive_lookahead=True).adaptive_lookahead is AdaptiveMode.ON
+    assert SpeculativeConfig(method="ssd", model="d", adaptive_lookahead=True).adaptive_lookahead is AdaptiveMode.ON
+    assert SpeculativeConfig(model="d", adaptive_lookahead="on").adaptive_lookahead is AdaptiveMode.ON
     assert SpeculativeConfig(model="d").adaptive_lookahead == "auto"  # the default
-    assert SpeculativeConfig(model="d", adaptive_lookahead=False).adaptive_lookahead is False
+    assert SpeculativeConfig(model="d", adaptive_lookahead=False).adaptive_lookahead is AdaptiveMode.OFF
     for bad in ("yes", 1, None):
         with pytest.raises(ValueError, match="must be True, False or 'auto'"):
             SpeculativeConfig(model="d", adaptive_lookahead=bad)
@@ -208,9 +210,9 @@ def test_command_line_flag():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = parser.parse_args(["--model", "t", "--draft", "d", "--method", "draft_model", "--adaptive-lookahead"])
-    assert engine_kwargs(args)["speculative_config"]["adaptive_lookahead"] is True
+    assert engine_kwargs(args)["speculative_config"]["adaptive_lookahead"] is AdaptiveMode.ON
     off = parser.parse_args(["--model", "t", "--draft", "d", "--adaptive-lookahead", "off"])
-    assert engine_kwargs(off)["speculative_config"]["adaptive_lookahead"] is False
+    assert engine_kwargs(off)["speculative_config"]["adaptive_lookahead"] is AdaptiveMode.OFF
     plain = engine_kwargs(parser.parse_args(["--model", "t", "--draft", "d"]))["speculative_config"]
     assert plain["adaptive_lookahead"] == "auto"
 

@@ -15,7 +15,9 @@ from ssd import LLM, SamplingParams
 from ssd.config import EngineConfig, SpeculativeConfig
 from ssd.models import weight_formats
 from ssd.models.loader import load_model
-from ssd.models.weight_formats import FP16_PACKED, INT8_PACKED, pack_weights, resolve_weight_format
+from ssd.models.weight_formats import pack_weights, resolve_weight_format
+from ssd.options import WeightFormat
+from ssd.resolve import resolve_config
 from ssd.models.packed_fp16 import PackedFp16Product
 from ssd_utils import make_perturbed_draft
 
@@ -57,24 +59,27 @@ def test_resolution_of_formats():
 
 
 def test_engine_config_defaults_and_validation():
-    auto = EngineConfig(model="t", dtype="auto", speculative_config={"model": "d"})
+    """What the engine starts from (``resolve_config``) for each request of dtype and formats."""
+    auto = resolve_config(EngineConfig(model="t", dtype="auto", speculative_config={"model": "d"}))
     if auto.dtype == "float32":  # a CPU with FBGEMM: the fast reduced precision is float16 weights
         assert auto.weight_format == "fp16-packed"
     else:
         assert auto.weight_format == "dense"
-    explicit = EngineConfig(model="t", dtype="float32", speculative_config={"model": "d"})
+    explicit = resolve_config(EngineConfig(model="t", dtype="float32", speculative_config={"model": "d"}))
     assert explicit.weight_format == "dense"  # an explicit float32 keeps float32 weights
     assert explicit.speculative_config.draft_weight_format == "fp16-packed"  # the draft's numerics are free
-    dense_draft = EngineConfig(model="t", dtype="float32",
-                               speculative_config={"model": "d", "draft_weight_format": "dense"})
+    dense_draft = resolve_config(EngineConfig(model="t", dtype="float32",
+                                              speculative_config={"model": "d", "draft_weight_format": "dense"}))
     assert dense_draft.speculative_config.draft_weight_format == "dense"
-    assert EngineConfig(model="t", dtype="float32", weight_format="fp16-packed").weight_format == "fp16-packed"
+    packed = resolve_config(EngineConfig(model="t", dtype="float32", weight_format="fp16-packed"))
+    assert packed.weight_format == "fp16-packed"
+    assert resolve_config(packed) == packed  # resolving twice changes nothing
     with pytest.raises(ValueError, match="weight format 'fp16' is not supported"):
         EngineConfig(model="t", weight_format="fp16")
     with pytest.raises(ValueError, match="draft_weight_format 'int8' is not supported"):
         SpeculativeConfig(model="d", draft_weight_format="int8")
     with pytest.raises(ValueError, match="needs a CPU device"):
-        EngineConfig(model="t", dtype="bfloat16", weight_format="fp16-packed")
+        resolve_config(EngineConfig(model="t", dtype="bfloat16", weight_format="fp16-packed"))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biased q/k/v projections
@@ -88,7 +93,7 @@ def test_packed_model_computes_the_float16_rounded_model(checkpoint_factory, arc
                 module.weight.copy_(module.weight.half().float())
     # the head rounded on the fly: a tied input embedding stays float32 in both models
     rounded.head_matmul = lambda x, w, bias=None: F.linear(x, w.half().float(), bias)
-    count = pack_weights(packed, FP16_PACKED)
+    count = pack_weights(packed, WeightFormat.FP16_PACKED)
     assert count == 4 * packed.num_layers + 1
     assert all(m.weight.numel() == 0 for m in packed.modules() if isinstance(m, torch.nn.Linear))
     tokens = [random.Random(0).randrange(packed.config.vocab_size) for _ in range(11)]
@@ -100,7 +105,7 @@ def test_packed_model_computes_the_float16_rounded_model(checkpoint_factory, arc
 def test_packed_head_of_a_tied_model_keeps_the_embedding(checkpoint_factory):
     model, _ = load_model(checkpoint_factory("llama"), dtype=torch.float32)
     embedding = model.embed_tokens.weight.detach().clone()
-    pack_weights(model, FP16_PACKED)
+    pack_weights(model, WeightFormat.FP16_PACKED)
     assert torch.equal(model.embed_tokens.weight, embedding)
     x = torch.randn(3, model.config.hidden_size)
     reference = F.linear(x, model.head_weight.half().float())
@@ -151,13 +156,13 @@ def test_an_int8_draft_leaves_every_mode_exact(pair):
         expected = [o.token_ids for o in ar.generate(PROMPTS, GREEDY)]
     for spec in ({"method": "draft_model", "num_speculative_tokens": 3},
                  {"method": "ssd", "num_speculative_tokens": 3, "fallback": "jit"}):
-        config = {"model": draft, "draft_weight_format": INT8_PACKED, **spec}
+        config = {"model": draft, "draft_weight_format": WeightFormat.INT8_PACKED, **spec}
         with LLM(target, speculative_config=config, **ENGINE) as llm:
             outputs = llm.generate(PROMPTS, GREEDY)
             assert [o.token_ids for o in outputs] == expected, spec["method"]
             assert llm.stats.num_accepted_tokens > 0
             if spec["method"] == "draft_model":
-                assert llm.engine.proposer.runner.weight_format == INT8_PACKED
+                assert llm.engine.proposer.runner.weight_format == WeightFormat.INT8_PACKED
 
 
 def test_command_line_flags_reach_the_engine_config():

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from ssd.config import EngineConfig, SpeculativeConfig
 from ssd.models import weight_formats
 from ssd.models.loader import load_model
-from ssd.models.weight_formats import INT8_PACKED, pack_weights, resolve_weight_format
+from ssd.models.weight_formats import pack_weights, resolve_weight_format
+from ssd.options import WeightFormat
+from ssd.resolve import resolve_config
 from ssd.models.packed_fp16 import PackedFp16Product
 from ssd.models.packed_int8 import PackedInt8Product
 
@@ -44,17 +46,17 @@ def test_zero_weights_and_inputs_are_exact():
 
 
 def test_int8_is_a_draft_format_only():
-    assert resolve_weight_format(INT8_PACKED, "cpu", "float32", draft=True) == INT8_PACKED
+    assert resolve_weight_format(WeightFormat.INT8_PACKED, "cpu", "float32", draft=True) == WeightFormat.INT8_PACKED
     with pytest.raises(ValueError, match="not supported"):
-        resolve_weight_format(INT8_PACKED, "cpu", "float32")
+        resolve_weight_format(WeightFormat.INT8_PACKED, "cpu", "float32")
     with pytest.raises(ValueError, match="needs a CPU device, dtype float32"):
-        resolve_weight_format(INT8_PACKED, "cpu", "bfloat16", draft=True)
-    spec = {"model": "d", "draft_weight_format": INT8_PACKED}
-    config = EngineConfig(model="t", dtype="float32", speculative_config=spec)
-    assert config.speculative_config.draft_weight_format == INT8_PACKED
-    assert SpeculativeConfig(model="d", draft_weight_format=INT8_PACKED).draft_weight_format == INT8_PACKED
+        resolve_weight_format(WeightFormat.INT8_PACKED, "cpu", "bfloat16", draft=True)
+    spec = {"model": "d", "draft_weight_format": WeightFormat.INT8_PACKED}
+    config = resolve_config(EngineConfig(model="t", dtype="float32", speculative_config=spec))
+    assert config.speculative_config.draft_weight_format == WeightFormat.INT8_PACKED
+    assert SpeculativeConfig(model="d", draft_weight_format=WeightFormat.INT8_PACKED).draft_weight_format == WeightFormat.INT8_PACKED
     with pytest.raises(ValueError, match="weight format 'int8-packed' is not supported"):
-        EngineConfig(model="t", dtype="float32", weight_format=INT8_PACKED)
+        EngineConfig(model="t", dtype="float32", weight_format=WeightFormat.INT8_PACKED)
 
 
 def test_packed_model_stays_close_to_the_float_model(checkpoint_factory):
@@ -62,7 +64,7 @@ def test_packed_model_stays_close_to_the_float_model(checkpoint_factory):
     path = checkpoint_factory("llama")
     packed, _ = load_model(path, dtype=torch.float32)
     dense, _ = load_model(path, dtype=torch.float32)
-    assert pack_weights(packed, INT8_PACKED) == 4 * packed.num_layers + 1
+    assert pack_weights(packed, WeightFormat.INT8_PACKED) == 4 * packed.num_layers + 1
     kinds = {name.rsplit(".", 1)[-1]: type(m.matmul) for name, m in packed.named_modules()
              if isinstance(m, torch.nn.Linear)}
     assert kinds == {"qkv_proj": PackedInt8Product, "o_proj": PackedInt8Product, "gate_up_proj": PackedInt8Product,

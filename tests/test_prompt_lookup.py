@@ -12,7 +12,8 @@ from ssd.config import SpeculativeConfig
 from ssd.outputs import SpecStats
 from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution
-from ssd.spec.lookup import MAX_CANDIDATES, LookupConfig, PromptLookup, copied_run
+from ssd.options import LookupConfig
+from ssd.spec.lookup import MAX_CANDIDATES, PromptLookup, copied_run, new_lookup
 from ssd.spec.ssd.protocol import SpeculationMsg, decode_message
 
 
@@ -70,8 +71,8 @@ def test_candidates_are_bounded_most_recent_first():
 
 
 def test_config_validation_and_disabled():
-    assert LookupConfig(enabled=False).new([1, 2, 1, 2]) is None
-    assert LookupConfig().new([1, 2, 3, 1, 2]).propose() == 3
+    assert new_lookup(LookupConfig(enabled=False), [1, 2, 1, 2]) is None
+    assert new_lookup(LookupConfig(), [1, 2, 3, 1, 2]).propose() == 3
     for bad in (dict(min_n=0), dict(min_n=3, max_n=2), dict(min_n=1.5)):
         with pytest.raises(ValueError, match="prompt_lookup"):
             LookupConfig(**bad)

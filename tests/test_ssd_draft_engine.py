@@ -20,6 +20,7 @@ from model_utils import PagedSession
 from ssd.core.block_pool import BlockPool
 from ssd.core.kv_cache_manager import KVCacheManager
 from ssd.executor.model_runner import ModelRunner
+from ssd.options import Fallback
 from ssd.sample.sampler import SamplingTensors, processed_probs
 from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution
@@ -500,7 +501,7 @@ def test_consistency_decides_the_lookup(draft_path):
             new[0] = (new[0] + 1) % USABLE  # the target accepted something else
         (result,) = h.engine.speculate([SpeculateRow(1, new, k, K)], "jit")
         assert result.hit is consistent
-        assert result.fallback is (None if consistent else "jit")
+        assert result.fallback is (None if consistent else Fallback.JIT)
         assert result.tokens == h.ref.argmaxes(track.text + new, result.tokens)
         h.tracks[1].text = track.text + new
         h.release_all()

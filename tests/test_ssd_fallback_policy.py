@@ -2,7 +2,9 @@
 
 import pytest
 
-from ssd.spec.ssd.fallback_policy import FallbackPolicy, resolve_filler_padding
+from ssd.config import EngineConfig, SpeculativeConfig
+from ssd.resolve import resolve_config, resolve_filler_padding
+from ssd.spec.ssd.fallback_policy import FallbackPolicy
 
 E, X = FallbackPolicy.EXPLORE_ROUNDS, FallbackPolicy.EXPLOIT_ROUNDS
 CYCLES = FallbackPolicy.MIN_MEASURED_ROUNDS // E  # exploration cycles before the first exploit window
@@ -101,12 +103,14 @@ def test_ties_go_to_random_and_unobserved_rounds_are_ignored():
 
 def test_filler_padding_resolves_by_the_targets_device():
     """Repeats pad random fillers where verifying a few more positions is nearly free (CUDA), not on CPU."""
-    assert resolve_filler_padding("auto", "cpu") is False
-    assert resolve_filler_padding("auto", "cuda:1") is True
-    assert resolve_filler_padding("repeat", "cpu") is True
-    assert resolve_filler_padding("none", "cuda") is False
+    assert resolve_filler_padding("auto", "cpu") == "none"
+    assert resolve_filler_padding("auto", "cuda:1") == "repeat"
+    assert resolve_filler_padding("repeat", "cpu") == "repeat"
+    assert resolve_filler_padding("none", "cuda") == "none"
+    spec = {"method": "ssd", "model": "d"}
+    assert resolve_config(EngineConfig(model="m", speculative_config=spec)).spec.filler_padding == "none"
     with pytest.raises(ValueError, match="filler_padding must be one of"):
-        resolve_filler_padding("zeros", "cpu")
+        SpeculativeConfig(**spec, filler_padding="zeros")
 
 
 def test_filler_padding_flag_reaches_the_speculative_config():

@@ -16,10 +16,16 @@ from ssd.spec.ssd.fanout import (
     fold_fan_out,
     geometric_fan_out,
     largest_remainder,
+    fan_out_policy,
     max_fan_out_budget,
-    parse_fan_out,
     per_k_counts,
 )
+from ssd.options import FanOutSpec
+
+
+def parse_fan_out(spec, K, budget=None, estimator=None):
+    """The policy of a user's fan-out value, parsed as the configuration parses it."""
+    return fan_out_policy(FanOutSpec.parse(spec), K, budget, estimator)
 
 # ------------------------------------------------------------------------------------------------
 # geometric allocation
@@ -350,13 +356,13 @@ def test_budget_controller_validation():
 
 
 def test_max_fan_out_budget():
-    assert max_fan_out_budget("4,2,1,1,0", K=4, budget=None) == 8
-    assert max_fan_out_budget(3, K=4, budget=None) == 15
-    assert max_fan_out_budget("auto", K=4, budget=None) == BudgetController.max_budget(4) == 30
-    assert max_fan_out_budget("auto", K=4, budget=40) == 40
-    assert max_fan_out_budget("dynamic", K=4, budget=None) == 30
-    assert max_fan_out_budget("dynamic", K=4, budget=7) == 7
-    assert max_fan_out_budget(2, K=4, budget=40) == 10  # a fixed spec ignores the auto budget
+    assert max_fan_out_budget(FanOutSpec.parse("4,2,1,1,0"), K=4, budget=None) == 8
+    assert max_fan_out_budget(FanOutSpec.parse(3), K=4, budget=None) == 15
+    assert max_fan_out_budget(FanOutSpec.parse("auto"), K=4, budget=None) == BudgetController.max_budget(4) == 30
+    assert max_fan_out_budget(FanOutSpec.parse("auto"), K=4, budget=40) == 40
+    assert max_fan_out_budget(FanOutSpec.parse("dynamic"), K=4, budget=None) == 30
+    assert max_fan_out_budget(FanOutSpec.parse("dynamic"), K=4, budget=7) == 7
+    assert max_fan_out_budget(FanOutSpec.parse(2), K=4, budget=40) == 10  # a fixed spec ignores the auto budget
 
 
 # ------------------------------------------------------------------------------------------------
@@ -485,13 +491,10 @@ def test_expected_tokens_per_round():
 
 
 def _worker_config(**overrides):
-    from ssd.spec.ssd.worker import WorkerConfig
+    """The speculative options the draft worker's planner reads."""
+    from ssd.config import SpeculativeConfig
 
-    fields = dict(model="unused", dtype="float32", device="cpu", block_size=16, max_model_len=64, num_blocks=8,
-                  enable_prefix_caching=True, target_vocab_size=32, num_usable_tokens=32,
-                  num_speculative_tokens=4, fan_out="auto", fan_out_miss=None, fan_out_budget=None,
-                  saguaro_c=1.0, seed=0, num_threads=None, cpu_affinity=None)
-    return WorkerConfig(**{**fields, **overrides})
+    return SpeculativeConfig(**{"method": "ssd", "model": "unused", "fan_out": "auto", **overrides})
 
 
 def test_planner_steers_the_budget_of_auto_and_dynamic_policies_only():

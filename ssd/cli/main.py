@@ -12,9 +12,13 @@ from ssd.cli.chat import add_chat_args, cmd_chat
 from ssd.cli.common import add_engine_args, engine_kwargs, sampling_from_args, serve_as_torchrun_worker
 from ssd.cli.serve import add_serve_args, cmd_serve
 
+WARMUP_PROMPT = "Count from one to twenty:"  # not the user's prompts: their prefixes stay uncached
+
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from ssd.llm import LLM
+    from ssd.outputs import SpecStats
+    from ssd.sampling_params import SamplingParams
 
     prompts = list(args.prompt or [])
     if args.prompts_file:
@@ -26,6 +30,9 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
     llm = LLM(**engine_kwargs(args))
     try:
+        if args.warmup_tokens > 0:  # first calls pay one-time costs (kernel choice, allocation): not timed
+            warmup = SamplingParams(temperature=params.temperature, max_tokens=args.warmup_tokens, ignore_eos=True)
+            llm.generate([WARMUP_PROMPT], warmup)
         start = time.perf_counter()
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1)
@@ -42,8 +49,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         else:
             print(f"=== {prompt!r}\n{out.text}\n[{len(out.token_ids)} tokens, finish={out.finish_reason}]")
     summary = f"{len(outputs)} requests, {total_tokens} tokens in {elapsed:.2f} s ({total_tokens / elapsed:.1f} tok/s)"
+    timed = "generation only" if args.warmup_tokens <= 0 else f"generation only, after a {args.warmup_tokens}-token warm-up"
+    summary += f" [timed: {timed}; model load not timed]"
     if llm.engine.spec is not None:
-        s = llm.stats
+        s = SpecStats()  # the timed requests' counters (the warm-up's are left out)
+        for out in outputs:
+            s.merge(out.spec_stats)
         summary += f"; mean acceptance length {s.mean_acceptance_length:.2f}"
         if s.num_copied_tokens:
             summary += (f", {s.num_copied_tokens / s.num_draft_tokens:.0%} of drafts copied by prompt lookup "
@@ -73,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompts-file", help="a text file with one prompt per line")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    gen.add_argument("--warmup-tokens", type=int, default=16,
+                     help="generate this many tokens for a fixed prompt first, untimed, so the figures printed "
+                          "leave out one-time start-up costs (0: time the first generation cold)")
     gen.set_defaults(func=_cmd_generate)
 
     fetch = sub.add_parser("fetch", help="download and convert the default target model (SmolLM2-135M-Instruct)")

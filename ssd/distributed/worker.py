@@ -16,7 +16,7 @@ import torch
 
 from ssd.distributed.comm import DistributedInit, TensorParallelGroup
 from ssd.distributed.commands import ForwardCommand, ShutdownCommand
-from ssd.models.weight_formats import DENSE
+from ssd.options import Process, WeightFormat, options_for
 
 if TYPE_CHECKING:
     from ssd.config import EngineConfig
@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class RunnerArgs:
-    """ModelRunner arguments shared by every rank (the driver's own runner uses the same values)."""
+    """ModelRunner arguments shared by every rank (the driver's own runner uses the same values): the options
+    ``EngineConfig`` marks as read by target ranks."""
 
     model: str
     dtype: str
@@ -36,22 +37,13 @@ class RunnerArgs:
     kv_cache_memory: int | None
     kv_cache_fraction: float
     max_num_seqs: int
-    weight_format: str = DENSE  # resolved by EngineConfig (ssd/models/weight_formats.py)
-    fused_kernels: bool = True  # EngineConfig.fused_kernels
+    weight_format: WeightFormat = WeightFormat.DENSE  # resolved (ssd/resolve.py)
+    fused_kernels: bool = True
 
     @classmethod
     def from_config(cls, config: "EngineConfig") -> "RunnerArgs":
-        return cls(
-            model=config.model,
-            dtype=config.dtype,
-            block_size=config.block_size,
-            max_model_len=config.max_model_len,
-            kv_cache_memory=config.kv_cache_memory,  # type: ignore[arg-type] # parsed to bytes by EngineConfig
-            kv_cache_fraction=config.kv_cache_fraction,
-            max_num_seqs=config.max_num_seqs,
-            weight_format=config.weight_format,
-            fused_kernels=config.fused_kernels,
-        )
+        """From a resolved config (``ssd/resolve.py``)."""
+        return cls(**options_for(config, Process.TARGET_RANK))
 
 
 @dataclass(frozen=True)

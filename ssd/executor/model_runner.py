@@ -29,7 +29,8 @@ from ssd.models.arch import ModelArchConfig
 from ssd.models.draft_vocab import DraftVocab
 from ssd.models.decoder import fused_kernels_usable
 from ssd.models.loader import load_model
-from ssd.models.weight_formats import DENSE, PACKED_FORMATS, pack_weights
+from ssd.models.weight_formats import pack_weights
+from ssd.options import PACKED_WEIGHT_FORMATS, WeightFormat
 
 if TYPE_CHECKING:
     from ssd.distributed.comm import TensorParallelGroup
@@ -63,7 +64,7 @@ class ModelRunner:
         max_num_seqs: int = 16,
         tp: "TensorParallelGroup | None" = None,
         graphs: GraphOptions | None = None,
-        weight_format: str = DENSE,
+        weight_format: WeightFormat = WeightFormat.DENSE,
         fused_kernels: bool = True,
     ) -> None:
         self.device = torch.device(device)
@@ -78,11 +79,12 @@ class ModelRunner:
             self.model.enable_fused_kernels()
             logger.info("fused Triton kernels on for %s", model_path)
         self.weight_format = weight_format
-        if weight_format in PACKED_FORMATS:
+        if weight_format in PACKED_WEIGHT_FORMATS:
             count = pack_weights(self.model, weight_format)
             logger.info("packed %d weight matrices (%s) for FBGEMM", count, weight_format)
-        elif weight_format != DENSE:
-            raise ValueError(f"weight_format must be {DENSE!r} or one of {PACKED_FORMATS} here, got {weight_format!r}")
+        elif weight_format != WeightFormat.DENSE:
+            raise ValueError(f"weight_format must be 'dense' or one of {[f.value for f in PACKED_WEIGHT_FORMATS]} "
+                             f"here, got {weight_format!r}")
         self.draft_vocab = DraftVocab.load(model_path)
         self._input_map = None  # target id -> model id, for drafts with a reduced vocabulary
         if self.draft_vocab is not None:

@@ -42,25 +42,8 @@ class StepResult:
     num_computed: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens now in the target cache
     logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     rounds: dict[int, VerifiedRound] = field(default_factory=dict)  # seq_id -> verification outcome
-    proposal: Proposal | None = None
     propose_time_s: float = 0.0
     forward_time_s: float = 0.0
-    proposal_rows: dict[int, int] = field(default_factory=dict)  # seq_id -> row of ``proposal``
-
-    def lookup(self, seq_id: int) -> tuple[bool | None, str | None]:
-        """(cache hit, fallback kind) of an SSD row; (None, None) for proposers without a cache."""
-        row = self.proposal_rows.get(seq_id)
-        if row is None or self.proposal is None or self.proposal.cache_hit is None:
-            return None, None
-        fallback = self.proposal.fallback[row] if self.proposal.fallback is not None else None
-        return self.proposal.cache_hit[row], fallback
-
-    def copied(self, seq_id: int) -> list[bool] | None:
-        """Which drafts of the row prompt lookup copied; None when the proposer does not say."""
-        row = self.proposal_rows.get(seq_id)
-        if row is None or self.proposal is None or self.proposal.copied is None:
-            return None
-        return self.proposal.copied[row].tolist()
 
 
 class StepExecutor:
@@ -85,13 +68,11 @@ class StepExecutor:
                 ProposalRequest(s.seq, s.num_lookahead_tokens, contexts[s.seq.seq_id].generator) for s in spec_rows
             ]
             proposal = self.proposer.propose(requests)
-            result.proposal = proposal
             result.propose_time_s = time.perf_counter() - start
-        drafts = {}
+        drafts = {}  # seq_id -> row of ``proposal``
         if proposal is not None:
             for row, s in enumerate(spec_rows):
                 drafts[s.seq.seq_id] = row
-        result.proposal_rows = drafts
 
         items: list[ForwardItem] = []
         for s in scheduled:
@@ -172,7 +153,7 @@ class StepExecutor:
             tokens = outcome.output_tokens[i]
             result.new_tokens[seq.seq_id] = tokens
             result.num_computed[seq.seq_id] += k  # t_n and the k accepted drafts are now valid KV
-            result.rounds[seq.seq_id] = VerifiedRound(seq, proposal.num_drafts[row], k, tokens)
+            result.rounds[seq.seq_id] = VerifiedRound(seq, proposal.num_drafts[row], k, tokens, proposal.origin(row))
             self._add_logprobs(result, seq, logits, list(range(first, first + len(tokens))), tokens)
 
     @staticmethod

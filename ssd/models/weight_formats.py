@@ -27,11 +27,8 @@ from torch import nn
 
 from ssd.models.packed_fp16 import PackedFp16Product
 from ssd.models.packed_int8 import PackedInt8Product
+from ssd.options import PACKED_WEIGHT_FORMATS, TARGET_WEIGHT_FORMATS, Dtype, WeightFormat
 
-DENSE, FP16_PACKED, INT8_PACKED, AUTO = "dense", "fp16-packed", "int8-packed", "auto"
-WEIGHT_FORMATS = (DENSE, FP16_PACKED, AUTO)  # a target's
-DRAFT_WEIGHT_FORMATS = (DENSE, FP16_PACKED, INT8_PACKED, AUTO)
-PACKED_FORMATS = (FP16_PACKED, INT8_PACKED)
 # Projections that "int8-packed" keeps in float16 (as well as the LM head): the MLP's down projection reads the
 # gated activation, whose few large channels would coarsen the per-tensor 8-bit input of every row (with
 # them in int8 the default draft's acceptance on code fell 4-6%; without, it is unchanged within noise).
@@ -43,34 +40,38 @@ def fbgemm_available() -> bool:
 
 
 def resolve_weight_format(
-    weight_format: str, device: str, dtype: str, explicit_dtype: bool = False, draft: bool = False
-) -> str:
+    weight_format: WeightFormat | str, device: str, dtype: Dtype | str, explicit_dtype: bool = False,
+    draft: bool = False,
+) -> WeightFormat:
     """The concrete format (not ``"auto"``) of a model on ``device`` in ``dtype`` (a resolved dtype name);
     ``explicit_dtype``: the user named the dtype (a target's ``"auto"`` then keeps dense weights); ``draft``:
     the model is a draft (``"int8-packed"`` allowed). Raises ``ValueError`` for an unknown format or a packed
     format that cannot run there."""
-    allowed = DRAFT_WEIGHT_FORMATS if draft else WEIGHT_FORMATS
+    allowed = list(WeightFormat) if draft else TARGET_WEIGHT_FORMATS
     if weight_format not in allowed:
-        raise ValueError(f"weight format {weight_format!r} is not supported; choose one of {list(allowed)}")
-    applies = str(device).startswith("cpu") and dtype == "float32" and fbgemm_available()
-    if weight_format == AUTO:
-        return FP16_PACKED if applies and not explicit_dtype else DENSE
-    if weight_format in PACKED_FORMATS and not applies:
+        raise ValueError(f"weight format {weight_format!r} is not supported; choose one of "
+                         f"{[f.value for f in allowed]}")
+    weight_format = WeightFormat(weight_format)
+    applies = str(device).startswith("cpu") and dtype == Dtype.FLOAT32 and fbgemm_available()
+    if weight_format is WeightFormat.AUTO:
+        return WeightFormat.FP16_PACKED if applies and not explicit_dtype else WeightFormat.DENSE
+    if weight_format in PACKED_WEIGHT_FORMATS and not applies:
         raise ValueError(
-            f"weight format {weight_format!r} needs a CPU device, dtype float32 and PyTorch's FBGEMM backend; got "
+            f"weight format {weight_format.value!r} needs a CPU device, dtype float32 and PyTorch's FBGEMM backend; got "
             f"device {device!r}, dtype {dtype!r}, quantized engines {torch.backends.quantized.supported_engines}"
         )
     return weight_format
 
 
-def pack_weights(model: nn.Module, weight_format: str) -> int:
+def pack_weights(model: nn.Module, weight_format: WeightFormat) -> int:
     """Switch every projection of ``model`` (a :class:`ssd.models.decoder.DecoderLM`) and its LM head to the
-    packed product of ``weight_format`` (:data:`PACKED_FORMATS`; ``"int8-packed"`` keeps float16 where
+    packed product of ``weight_format`` (``PACKED_WEIGHT_FORMATS``; ``"int8-packed"`` keeps float16 where
     :data:`INT8_EXEMPT` says); a projection's float32 weight is released (the tied embedding stays: the input
     lookup reads it). Returns the number of matrices packed."""
-    if weight_format not in PACKED_FORMATS:
-        raise ValueError(f"weight format {weight_format!r} is not packed; choose one of {list(PACKED_FORMATS)}")
-    int8 = weight_format == INT8_PACKED
+    if weight_format not in PACKED_WEIGHT_FORMATS:
+        raise ValueError(f"weight format {weight_format!r} is not packed; choose one of "
+                         f"{[f.value for f in PACKED_WEIGHT_FORMATS]}")
+    int8 = weight_format == WeightFormat.INT8_PACKED
     count = 0
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and hasattr(module, "matmul"):

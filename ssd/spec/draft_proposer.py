@@ -17,8 +17,9 @@ from ssd.core.kv_cache_manager import KVCacheManager
 from ssd.core.sequence import Sequence
 from ssd.executor.model_runner import ModelRunner
 from ssd.spec.drafting import DraftDistribution, draft_sequentially
-from ssd.spec.lookup import LookupConfig, PromptLookup
-from ssd.spec.proposal import Proposal, ProposalRequest, VerifiedRound
+from ssd.options import LookupConfig
+from ssd.spec.lookup import PromptLookup, new_lookup
+from ssd.spec.proposal import DraftStatistics, Proposal, ProposalRequest, VerifiedRound
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,10 @@ class DraftModelProposer:
         self.lookups: dict[int, PromptLookup | None] = {}  # per sequence, over its token list
         self.computed: dict[int, int] = {}  # per sequence: tokens (own, then drafts) with K/V after proposing
         self.available = True
+        self.failure: str | None = None
+
+    def statistics(self) -> DraftStatistics:
+        return DraftStatistics()  # the draft runs inside the target's steps: nothing beyond the round counters
 
     def prepare(self, seqs: list[Sequence]) -> None:
         """Nothing to overlap in-process: the draft catches up when it first proposes."""
@@ -52,7 +57,7 @@ class DraftModelProposer:
             mirror = Sequence(seq.seq_id, seq.prompt_token_ids, seq.sampling_params, token_ids=seq.token_ids)
             self.kv_manager.allocate_prefix(mirror)
             self.mirrors[seq.seq_id] = mirror
-            self.lookups[seq.seq_id] = self.lookup.new(seq.token_ids)
+            self.lookups[seq.seq_id] = new_lookup(self.lookup, seq.token_ids)
         return mirror
 
     @torch.inference_mode()

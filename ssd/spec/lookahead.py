@@ -38,6 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from ssd.options import AdaptiveMode, SpecMethod
+
 if TYPE_CHECKING:
     from ssd.config import SpeculativeConfig
     from ssd.sampling_params import SamplingParams
@@ -104,25 +106,21 @@ def logit_shift(rates: list[float], passed: list[float], tried: list[float], sd:
     return delta
 
 
-# SpeculativeConfig.adaptive_lookahead value: the policy chooses K always for SD and prompt lookup, and for
-# SSD only while two or more sequences decode (``auto_min_batch_size``)
-ADAPTIVE_AUTO = "auto"
-
 
 def lookahead_policy(spec: "SpeculativeConfig") -> "LookaheadPolicy | None":
     """The policy ``spec.adaptive_lookahead`` asks for: None for a fixed K, else one that chooses from the
-    smallest batch size the setting adapts (1 for True, ``auto_min_batch_size`` for "auto")."""
-    if not spec.adaptive_lookahead:
+    smallest batch size the setting adapts (1 for "on", ``auto_min_batch_size`` for "auto")."""
+    if spec.adaptive_lookahead is AdaptiveMode.OFF:
         return None
-    auto = spec.adaptive_lookahead == ADAPTIVE_AUTO
+    auto = spec.adaptive_lookahead is AdaptiveMode.AUTO
     return LookaheadPolicy(spec.num_speculative_tokens, min_batch_size=auto_min_batch_size(spec.method) if auto else 1)
 
 
-def auto_min_batch_size(method: str) -> int:
+def auto_min_batch_size(method: SpecMethod) -> int:
     """The smallest decoding batch whose K the ``"auto"`` setting lets the policy choose. SSD's drafts cost the
     target nothing, and one sequence ran 5% slower to 6% faster with the choice (HumanEval / chat, one
     process); SD's drafts cost it their steps, and the choice never lost (chat +28%). At batch 4 both gained."""
-    return 2 if method == "ssd" else 1
+    return 2 if method == SpecMethod.SSD else 1
 
 
 class LookaheadPolicy:

@@ -15,28 +15,16 @@ comparisons per candidate position (the most recent :data:`MAX_CANDIDATES`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+from ssd.options import LookupConfig
 
 MAX_CANDIDATES = 64  # earlier occurrences of the min_n-gram examined per lookup, most recent first
 
 
-@dataclass(frozen=True)
-class LookupConfig:
-    """``min_n`` <= match length counted up to ``max_n`` tokens; ``enabled=False`` turns prompt lookup off."""
-
-    enabled: bool = True
-    min_n: int = 2
-    max_n: int = 8
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.min_n, int) or self.min_n < 1:
-            raise ValueError(f"prompt_lookup_min must be an integer >= 1, got {self.min_n!r}")
-        if not isinstance(self.max_n, int) or self.max_n < self.min_n:
-            raise ValueError(f"prompt_lookup_max must be an integer >= prompt_lookup_min, got {self.max_n!r}")
-
-    def new(self, tokens: list[int]) -> "PromptLookup | None":
-        """A lookup over ``tokens`` (kept by reference: appended tokens are seen), or None when disabled."""
-        return PromptLookup(tokens, self.min_n, self.max_n) if self.enabled else None
+def new_lookup(config: LookupConfig, tokens: list[int]) -> "PromptLookup | None":
+    """A lookup over ``tokens`` (kept by reference: appended tokens are seen), or None where ``config`` turns
+    prompt lookup off."""
+    return PromptLookup(tokens, config.min_n, config.max_n) if config.enabled else None
 
 
 def copied_token(lookup: "PromptLookup | None", tail: Sequence[int] = ()) -> int | None:

@@ -13,12 +13,14 @@ from __future__ import annotations
 import torch
 
 from ssd.core.sequence import Sequence
-from ssd.spec.lookup import LookupConfig, PromptLookup, copied_run
-from ssd.spec.proposal import Proposal, ProposalRequest, VerifiedRound
+from ssd.options import LookupConfig
+from ssd.spec.lookup import PromptLookup, copied_run, new_lookup
+from ssd.spec.proposal import DraftStatistics, Proposal, ProposalRequest, VerifiedRound
 
 
 class NgramProposer:
     available = True
+    failure: str | None = None
 
     def __init__(self, vocab_size: int, lookup: LookupConfig) -> None:
         if not lookup.enabled:
@@ -27,10 +29,13 @@ class NgramProposer:
         self.lookup = lookup
         self._lookups: dict[int, PromptLookup] = {}  # seq_id -> the index over that sequence's tokens
 
+    def statistics(self) -> DraftStatistics:
+        return DraftStatistics()  # no draft model
+
     def _lookup_for(self, seq: Sequence) -> PromptLookup:
         lookup = self._lookups.get(seq.seq_id)
         if lookup is None or lookup.tokens is not seq.token_ids:  # new, or its token list was replaced
-            lookup = self._lookups[seq.seq_id] = self.lookup.new(seq.token_ids)
+            lookup = self._lookups[seq.seq_id] = new_lookup(self.lookup, seq.token_ids)
         return lookup
 
     def prepare(self, seqs: list[Sequence]) -> None:

@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 from ssd.core.sequence import Sequence
-from ssd.spec.proposal import Proposal, ProposalRequest, VerifiedRound
+from ssd.options import Fallback
+from ssd.spec.proposal import DraftStatistics, Proposal, ProposalRequest, VerifiedRound
 from ssd.spec.ssd import protocol as wire
-from ssd.spec.ssd.fallback_policy import RANDOM, FallbackPolicy
+from ssd.spec.ssd.fallback_policy import FallbackPolicy
 from ssd.spec.ssd.worker import WorkerConfig, run_draft_worker
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class SSDProposer:
     def __init__(
         self,
         config: WorkerConfig,
-        fallback: str,
+        fallback: Fallback,
         timeout_s: float,
         start_timeout_s: float = 300.0,
         build_first_round: bool = False,
@@ -45,11 +46,8 @@ class SSDProposer:
         self.timeout_s = timeout_s
         self.build_first_round = build_first_round
         self.vocab_size = config.target_vocab_size
-        self.K = config.num_speculative_tokens
-        self.draft_build_time_s = 0.0  # total time the worker spent building speculation caches
-        self.draft_build_branches = 0  # tree branches of those builds
-        self.draft_builds = 0  # cache builds with at least one branch
-        self.draft_builds_cut_short = 0  # of those, builds stopped early: the next request was waiting or due
+        self.K = config.spec.num_speculative_tokens
+        self._statistics = DraftStatistics()
         self.available = True
         self.failure: str | None = None
         self._told: dict[int, int] = {}  # seq_id -> tokens the worker has been sent
@@ -132,7 +130,7 @@ class SSDProposer:
         round_id = next(self._round_ids)
         try:
             msg = wire.SpeculateMsg.from_lists(round_id, *zip(*rows))
-            msg.fallback = int(wire.FallbackKind.RANDOM if fallback == RANDOM else wire.FallbackKind.JIT)
+            msg.fallback = int(wire.FallbackKind.RANDOM if fallback is Fallback.RANDOM else wire.FallbackKind.JIT)
             self._send(msg)
             reply = self._receive(self.timeout_s)
         except DraftWorkerError as exc:
@@ -168,13 +166,19 @@ class SSDProposer:
         hits = reply.hit.tolist()
         fallbacks = [None if hit else wire.FallbackKind(kind).name.lower() for hit, kind in zip(hits, reply.fallback)]
         copied = torch.from_numpy(reply.copied)  # [B, K]
-        return Proposal(tokens, probs, reply.num_drafts.tolist(), hits, fallbacks, copied)
+        # A random filler's drafts are prompt-lookup copies (or none), not the draft model's guesses.
+        informative = [kind != Fallback.RANDOM for kind in fallbacks]
+        return Proposal(tokens, probs, reply.num_drafts.tolist(), hits, fallbacks, copied, informative)
 
     def _account(self, proposal: Proposal, reply) -> None:
-        self.draft_build_time_s += reply.cache_build_s
-        self.draft_build_branches += reply.cache_branches
-        self.draft_builds += int(reply.cache_branches > 0)
-        self.draft_builds_cut_short += reply.cache_cut_short
+        stats = self._statistics
+        stats.build_time_s += reply.cache_build_s
+        stats.build_branches += reply.cache_branches
+        stats.builds += int(reply.cache_branches > 0)
+        stats.builds_cut_short += reply.cache_cut_short
+
+    def statistics(self) -> DraftStatistics:
+        return self._statistics
 
     def _empty(self, requests: list[ProposalRequest]) -> Proposal:
         b = len(requests)

@@ -42,10 +42,11 @@ from ssd.core.kv_cache_manager import KVCacheManager
 from ssd.core.sequence import Sequence
 from ssd.executor.forward_items import ForwardItem
 from ssd.executor.model_runner import ModelRunner
+from ssd.options import Fallback, LookupConfig
 from ssd.sample.saguaro import saguaro_scale
 from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution, draft_sequentially
-from ssd.spec.lookup import LookupConfig, copied_run
+from ssd.spec.lookup import copied_run, new_lookup
 from ssd.spec.ssd.calibration import AcceptanceCalibration
 from ssd.spec.ssd.draft_state import (
     BuildStats,
@@ -55,7 +56,6 @@ from ssd.spec.ssd.draft_state import (
     SpeculationResult,
     drafts_before,
 )
-from ssd.spec.ssd.fallback_policy import JIT, RANDOM
 from ssd.spec.ssd.dynamic_fanout import DynamicFanOut, keeps_drafting
 from ssd.spec.ssd.fanout import FanOutPlan, per_k_counts
 from ssd.spec.ssd.tree import fork_dynamic, fork_fixed, tree_item
@@ -99,7 +99,7 @@ class DraftEngine:
             self.kv.allocate_prefix(mirror)
             generator = torch.Generator(device=self.runner.device)
             generator.manual_seed(draft_seed(params.seed, self.seed, seq_id))
-            state = DraftSeqState(mirror, generator, lookup=self.lookup.new(mirror.token_ids))
+            state = DraftSeqState(mirror, generator, lookup=new_lookup(self.lookup, mirror.token_ids))
             self.states[seq_id] = state
             todo = mirror.num_tokens - 1 - mirror.num_computed_tokens
             if todo > 0 and self.kv.allocate_slots(mirror, todo):
@@ -132,7 +132,7 @@ class DraftEngine:
 
     # ------------------------------------------------------------------ serving
     @torch.inference_mode()
-    def speculate(self, rows: list[SpeculateRow], fallback: str) -> list[SpeculationResult]:
+    def speculate(self, rows: list[SpeculateRow], fallback: Fallback) -> list[SpeculationResult]:
         results: list[SpeculationResult | None] = [None] * len(rows)
         jit_rows: list[int] = []
         for i, row in enumerate(rows):
@@ -144,7 +144,7 @@ class DraftEngine:
                 probs = None if hit.probs is None else hit.probs[: row.num_drafts]
                 n = row.num_drafts
                 results[i] = SpeculationResult(hit.tokens[:n], probs, True, None, hit.copied[:n])
-            elif fallback == JIT:
+            elif fallback == Fallback.JIT:
                 jit_rows.append(i)
             else:
                 results[i] = self._filler(state, row.num_drafts)
@@ -157,7 +157,7 @@ class DraftEngine:
             state.copied, state.confidences = list(result.copied), []
             state.lookahead = row.tree_depth
             state.cache = {}
-            if result.fallback == RANDOM:
+            if result.fallback == Fallback.RANDOM:
                 state.num_valid_drafts = 0
         return results  # type: ignore[return-value]
 
@@ -200,7 +200,7 @@ class DraftEngine:
             k = row.num_drafts
             state.num_valid_drafts = min(k - 1, max(0, drafts.computed[i] - state.mirror.num_tokens))
             probs = None if state.greedy else drafts.probs[i, :k]
-            out.append(SpeculationResult(drafts.tokens[i, :k].tolist(), probs, False, JIT, drafts.copied[i, :k].tolist()))
+            out.append(SpeculationResult(drafts.tokens[i, :k].tolist(), probs, False, Fallback.JIT, drafts.copied[i, :k].tolist()))
         return out
 
     def _filler(self, state: DraftSeqState, num_drafts: int) -> SpeculationResult:
@@ -217,7 +217,7 @@ class DraftEngine:
         if not state.greedy:
             probs = torch.zeros(n, self.dist.target_vocab_size, device=self.runner.device)  # [n, V]
             probs[torch.arange(n), torch.tensor(tokens, dtype=torch.long)] = 1.0
-        return SpeculationResult(tokens, probs, False, RANDOM, copied)
+        return SpeculationResult(tokens, probs, False, Fallback.RANDOM, copied)
 
     # ------------------------------------------------------------------ cache building
     @torch.inference_mode()

@@ -60,7 +60,7 @@ class SpeculationResult:
     tokens: list[int]
     probs: torch.Tensor | None  # [K, V]; None for greedy sequences (q is one-hot at the token)
     hit: bool
-    fallback: str | None  # None on a hit
+    fallback: Fallback | None  # None on a hit
     copied: list[bool]  # which tokens prompt lookup copied
 
 

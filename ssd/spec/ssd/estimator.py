@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import math
 
-
-def is_int(value: object) -> bool:
-    """True for real integers; bools are rejected because `True` as a fan-out is always a bug."""
-    return isinstance(value, int) and not isinstance(value, bool)
+from ssd.options import is_int
 
 
 def check_rate(name: str, value: object, lo: float = 0.0, hi: float = 1.0) -> float:

@@ -25,32 +25,12 @@ The first window of a cycle also pays for the previous fallback's cache, which i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
-JIT, RANDOM, AUTO = "jit", "random", "auto"
-FALLBACKS = (JIT, RANDOM, AUTO)
-# What a random filler holds past prompt lookup's copies: nothing, or the pending token repeated up to K
-# (accepted now and then: repeated indentation, blank lines). "auto": nothing on CPU, where every verified
-# position costs the target time, repeats on CUDA, where a few more positions are nearly free.
-NONE_PADDING, REPEAT_PADDING = "none", "repeat"
-FILLER_PADDINGS = (NONE_PADDING, REPEAT_PADDING, AUTO)
-
-
-def resolve_filler_padding(padding: str, target_device: str) -> bool:
-    """Whether random fillers repeat the pending token up to K drafts, for a target on `target_device`."""
-    if padding not in FILLER_PADDINGS:
-        raise ValueError(f"filler_padding must be one of {FILLER_PADDINGS}, got {padding!r}")
-    if padding == AUTO:
-        return str(target_device).startswith("cuda")
-    return padding == REPEAT_PADDING
-
-
-Kind = Literal["jit", "random"]
-
+from ssd.options import Fallback
 
 @dataclass
 class _Window:
-    kind: Kind
+    kind: Fallback
     rounds: int
     rounds_left: int = field(init=False)
     tokens: int = 0
@@ -77,10 +57,10 @@ class _Measured:
 class _BatchSizeTrial:
     """The explore/exploit cycle and the measurements for one batch size."""
 
-    measured: dict[str, _Measured] = field(default_factory=dict)  # fallback -> its sums
+    measured: dict[Fallback, _Measured] = field(default_factory=dict)  # fallback -> its sums
     window: _Window | None = None
     next_explore: int = 0  # index into the exploration order
-    winner: Kind | None = None  # the fallback of the last exploit window
+    winner: Fallback | None = None  # the fallback of the last exploit window
     exploit_rounds: int = 0  # its length
 
 
@@ -90,18 +70,16 @@ class FallbackPolicy:
     MAX_EXPLOIT_ROUNDS = 512
     MIN_MEASURED_ROUNDS = 16
     DISCOUNT = 0.75
-    EXPLORE_ORDER: tuple[Kind, Kind] = (JIT, RANDOM)
+    EXPLORE_ORDER: tuple[Fallback, Fallback] = (Fallback.JIT, Fallback.RANDOM)
 
-    def __init__(self, kind: str) -> None:
-        if kind not in FALLBACKS:
-            raise ValueError(f"fallback must be one of {FALLBACKS}, got {kind!r}")
-        self.kind = kind
+    def __init__(self, kind: Fallback | str) -> None:
+        self.kind = Fallback.parse(kind, "fallback")
         self._trials: dict[int, _BatchSizeTrial] = {}
 
-    def choose(self, batch_size: int) -> Kind:
+    def choose(self, batch_size: int) -> Fallback:
         """The fallback for the next round of a batch of `batch_size` sequences."""
-        if self.kind != AUTO:
-            return self.kind  # type: ignore[return-value]
+        if self.kind is not Fallback.AUTO:
+            return self.kind
         trial = self._trials.setdefault(batch_size, _BatchSizeTrial())
         if trial.window is None or trial.window.rounds_left <= 0:
             trial.window = self._next_window(trial)
@@ -111,7 +89,7 @@ class FallbackPolicy:
         """A round of `batch_size` sequences (served with this policy's last choice for that size) emitted
         `tokens` tokens in `seconds` (from the proposal request to the end of verification)."""
         trial = self._trials.get(batch_size)
-        if self.kind != AUTO or trial is None or trial.window is None or trial.window.rounds_left <= 0:
+        if self.kind is not Fallback.AUTO or trial is None or trial.window is None or trial.window.rounds_left <= 0:
             return
         w = trial.window
         w.tokens += tokens
@@ -123,7 +101,7 @@ class FallbackPolicy:
             m.seconds = self.DISCOUNT * m.seconds + w.seconds
             m.rounds += w.rounds
 
-    def rates(self, batch_size: int) -> dict[str, float]:
+    def rates(self, batch_size: int) -> dict[Fallback, float]:
         """Measured tokens per second per fallback at `batch_size` (empty until a window has ended)."""
         trial = self._trials.get(batch_size)
         return {} if trial is None else {kind: m.rate for kind, m in trial.measured.items()}
@@ -138,7 +116,7 @@ class FallbackPolicy:
         if any(m is None or m.rounds < self.MIN_MEASURED_ROUNDS for m in measured):  # not enough evidence yet
             return self._next_window(trial)
         # ties: random, which frees the draft sooner
-        best = max(self.EXPLORE_ORDER, key=lambda k: (trial.measured[k].rate, k == RANDOM))
+        best = max(self.EXPLORE_ORDER, key=lambda k: (trial.measured[k].rate, k is Fallback.RANDOM))
         if best == trial.winner:
             trial.exploit_rounds = min(self.MAX_EXPLOIT_ROUNDS, 2 * trial.exploit_rounds)
         else:

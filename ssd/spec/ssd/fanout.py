@@ -25,13 +25,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ssd.options import FanOutKind, FanOutSpec, is_int
 from ssd.spec.ssd.dynamic_fanout import DynamicFanOut
-from ssd.spec.ssd.estimator import AcceptanceEstimator, check_budget, check_rate, is_int
+from ssd.spec.ssd.estimator import AcceptanceEstimator, check_budget, check_rate
 
 logger = logging.getLogger(__name__)
-
-AUTO = "auto"
-DYNAMIC = "dynamic"
 
 # Quotas within this distance below an integer are taken as that integer (floating-point noise in
 # budget * w_k / sum(w) must not move a candidate between rows).
@@ -242,7 +240,7 @@ class FanOutPolicy:
         self.budget = check_budget(budget)
 
     def __repr__(self) -> str:
-        kind = DYNAMIC if self.dynamic else AUTO if self.is_auto else self.fixed.as_list()  # type: ignore[union-attr]
+        kind = "dynamic" if self.dynamic else "auto" if self.is_auto else self.fixed.as_list()  # type: ignore[union-attr]
         return f"FanOutPolicy(K={self.K}, {kind}, budget={self.budget})"
 
 
@@ -289,63 +287,23 @@ class BudgetController:
         return self.budget
 
 
-def max_fan_out_budget(spec: int | Sequence[int] | str, K: int, budget: int | None) -> int:
+def max_fan_out_budget(spec: FanOutSpec, K: int, budget: int | None) -> int:
     """The most branches per sequence a fan-out spec can ever ask for (sizes the draft's scratch KV):
     its sum when fixed, `budget` for "auto" or "dynamic" with a fixed budget, else the adaptive maximum."""
-    policy = parse_fan_out(spec, K, budget)
+    policy = fan_out_policy(spec, K, budget)
     if policy.adjustable and budget is None:
         return BudgetController.max_budget(K)
     return policy.budget
 
 
-def is_auto_spec(spec: object) -> bool:
-    return isinstance(spec, str) and spec.strip().lower() == AUTO
-
-
-def is_dynamic_spec(spec: object) -> bool:
-    return isinstance(spec, str) and spec.strip().lower() == DYNAMIC
-
-
-def has_adjustable_budget(spec: object) -> bool:
-    """Whether a fan-out spec takes a branch budget ("auto" and "dynamic")."""
-    return is_auto_spec(spec) or is_dynamic_spec(spec)
-
-
-def parse_fan_out(
-    spec: int | Sequence[int] | str,
-    K: int,
-    budget: int | None = None,
-    estimator: AcceptanceEstimator | None = None,
+def fan_out_policy(
+    spec: FanOutSpec, K: int, budget: int | None = None, estimator: AcceptanceEstimator | None = None
 ) -> FanOutPolicy:
-    """Build a policy from a user-facing spec.
-
-    Accepted specs: an int F >= 1 (F_k = F for every k); a list of K + 1 ints >= 0 with at least one > 0;
-    "auto" (geometric allocation from online estimates, budget default (K + 1) * 2); "dynamic" (each
-    sequence's likeliest outcomes, same budget). Strings from a command line are also accepted: "3" and
-    "4,2,1,1,0" mean the same as the int and list forms. `budget` is the branch budget of "auto" and
-    "dynamic"; a fixed spec ignores it (its sum is its budget).
-    """
+    """The policy of a fan-out spec (``ssd/options.py: FanOutSpec``) for lookahead K: F_k = F for every k
+    (uniform), the given F_0..F_K, "auto" (geometric allocation from online estimates) or "dynamic" (each
+    sequence's likeliest outcomes). `budget` is the branch budget of "auto" and "dynamic" (default
+    (K + 1) * 2); a fixed spec ignores it (its sum is its budget)."""
     K = _check_lookahead(K)
-    allowed = f"an int >= 1, a list of K + 1 = {K + 1} ints >= 0 (at least one > 0), 'auto' or 'dynamic'"
-    if has_adjustable_budget(spec):
-        return FanOutPolicy(K, budget=budget, estimator=estimator, dynamic=is_dynamic_spec(spec))
-    if isinstance(spec, str):
-        text = spec.strip().lower()
-        try:
-            parts = [int(p) for p in text.split(",")]
-        except ValueError:
-            raise ValueError(f"fan_out must be {allowed}, got {spec!r}") from None
-        spec = parts[0] if len(parts) == 1 and "," not in text else parts
-    if is_int(spec):
-        if spec < 1:  # type: ignore[operator]
-            raise ValueError(f"a uniform fan_out must be >= 1, got {spec!r}; allowed: {allowed}")
-        values = [int(spec)] * (K + 1)  # type: ignore[call-overload]
-    elif isinstance(spec, (list, tuple)):
-        if len(spec) != K + 1:
-            raise ValueError(
-                f"fan_out list must have K + 1 = {K + 1} entries (F_0..F_{K}), got {len(spec)}: {list(spec)}"
-            )
-        values = list(spec)
-    else:
-        raise ValueError(f"fan_out must be {allowed}, got {spec!r}")
-    return FanOutPolicy(K, fixed=FanOut(tuple(values)), estimator=estimator)
+    if spec.adjustable:
+        return FanOutPolicy(K, budget=budget, estimator=estimator, dynamic=spec.kind is FanOutKind.DYNAMIC)
+    return FanOutPolicy(K, fixed=FanOut(tuple(spec.per_k(K))), estimator=estimator)

@@ -13,84 +13,76 @@ import logging
 import os
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import numpy as np
 import torch
 
+from ssd.config import EngineConfig, SpeculativeConfig
 from ssd.core.block_pool import BlockPool
 from ssd.core.kv_cache_manager import KVCacheManager
 from ssd.executor.model_runner import GraphOptions, ModelRunner
-from ssd.models.weight_formats import DENSE
+from ssd.options import Fallback, FillerPadding
 from ssd.sampling_params import SamplingParams
 from ssd.spec.drafting import DraftDistribution
-from ssd.spec.lookup import LookupConfig
 from ssd.spec.ssd import protocol as wire
 from ssd.spec.ssd.build_clock import BuildClock
-from ssd.spec.ssd.draft_engine import JIT, RANDOM, DraftEngine
+from ssd.spec.ssd.draft_engine import DraftEngine
 from ssd.spec.ssd.draft_state import BuildStats, SpeculateRow
-from ssd.spec.ssd.fanout import BudgetController, FanOutPlan, parse_fan_out
+from ssd.spec.ssd.fanout import BudgetController, FanOutPlan, fan_out_policy
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class WorkerConfig:
-    model: str
-    dtype: str
-    device: str
-    block_size: int
-    max_model_len: int
-    num_blocks: int
-    enable_prefix_caching: bool
+    """What the draft worker starts from: the engine's resolved options (it reads those ``ssd/config.py``
+    declares for ``Process.DRAFT_WORKER``) and what the target side worked out for it."""
+
+    engine: EngineConfig  # resolved (ssd/resolve.py), with a speculative_config of method "ssd"
+    device: str  # the draft's
+    max_model_len: int  # the target's
+    num_blocks: int  # draft KV blocks: the target's plus scratch for every branch of every running sequence
     target_vocab_size: int
-    num_usable_tokens: int
-    num_speculative_tokens: int
-    fan_out: int | list[int] | str
-    fan_out_miss: int | list[int] | str | None
-    fan_out_budget: int | None  # branches per sequence of "auto" fan-outs; None: BudgetController steers it
-    saguaro_c: float
-    seed: int
-    num_threads: int | None
-    cpu_affinity: list[int] | None
+    num_usable_tokens: int  # token ids both models can produce
+    cpu_affinity: list[int] | None = None
     log_level: int = logging.WARNING
     graphs: GraphOptions | None = None  # CUDA graphs for glue and tree steps (None: eager)
-    lookup: LookupConfig = field(default_factory=LookupConfig)  # prompt lookup in drafts and fillers
-    pad_filler: bool = False  # random fillers repeat the pending token up to K drafts (resolve_filler_padding)
-    weight_format: str = DENSE  # resolved by EngineConfig: DENSE or FP16_PACKED (ssd/models/weight_formats.py)
-    interruptible_build: bool = True  # a waiting request ends a cache build early (SpeculativeConfig)
-    fused_kernels: bool = True  # EngineConfig.fused_kernels
+
+    @property
+    def spec(self) -> SpeculativeConfig:
+        assert self.engine.spec is not None
+        return self.engine.spec
 
 
 def _pin(config: WorkerConfig) -> None:
     if config.cpu_affinity and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, config.cpu_affinity)
-    threads = config.num_threads or (len(config.cpu_affinity) if config.cpu_affinity else None)
+    threads = config.spec.draft_threads or (len(config.cpu_affinity) if config.cpu_affinity else None)
     if threads:
         torch.set_num_threads(threads)
 
 
 def build_draft_engine(config: WorkerConfig) -> DraftEngine:
+    spec, engine = config.spec, config.engine
     runner = ModelRunner(
-        config.model, config.dtype, config.device, config.block_size, config.max_model_len,
+        spec.model, spec.draft_dtype, config.device, engine.block_size, config.max_model_len,
         kv_cache_memory=None, kv_cache_fraction=0.5, num_blocks=config.num_blocks,
-        graphs=config.graphs, weight_format=config.weight_format, fused_kernels=config.fused_kernels,
+        graphs=config.graphs, weight_format=spec.draft_weight_format, fused_kernels=engine.fused_kernels,
     )
-    kv = KVCacheManager(BlockPool(runner.num_blocks, config.block_size, config.enable_prefix_caching))
+    kv = KVCacheManager(BlockPool(runner.num_blocks, engine.block_size, engine.enable_prefix_caching))
     dist = DraftDistribution.for_runner(runner, config.target_vocab_size, config.num_usable_tokens)
-    return DraftEngine(runner, kv, dist, config.num_speculative_tokens, config.saguaro_c, config.seed, config.lookup,
-                       config.pad_filler)
+    return DraftEngine(runner, kv, dist, spec.num_speculative_tokens, spec.saguaro_c, engine.seed, spec.lookup,
+                       pad_filler=spec.filler_padding is FillerPadding.REPEAT)
 
 
 class FanOutPlanner:
     """Fan-out for the next cache build: one policy for speculations served from the cache, one for misses."""
 
-    def __init__(self, config: WorkerConfig) -> None:
-        K = config.num_speculative_tokens
-        budget = config.fan_out_budget
-        miss = config.fan_out_miss if config.fan_out_miss is not None else config.fan_out
-        self.hit, self.miss = (parse_fan_out(f, K, budget) for f in (config.fan_out, miss))
+    def __init__(self, spec: SpeculativeConfig) -> None:
+        K, budget = spec.num_speculative_tokens, spec.fan_out_budget
+        self.hit, self.miss = (fan_out_policy(f, K, budget) for f in spec.fan_outs)
         self.adjustable = [p for p in (self.hit, self.miss) if p.adjustable]
         self.controller = BudgetController(K) if self.adjustable and budget is None else None
         if self.controller is not None:
@@ -127,7 +119,7 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
     try:
         _pin(config)
         engine = build_draft_engine(config)
-        planner = FanOutPlanner(config)
+        planner = FanOutPlanner(config.spec)
     except Exception as exc:  # report start-up failures to the client instead of dying silently
         logger.exception("draft worker failed to start")
         conn.send_bytes(wire.ErrorMsg(f"draft worker failed to start: {exc}").pack())
@@ -136,7 +128,7 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
     last_plan: dict[int, tuple[bool, int, list[int]]] = {}  # seq_id -> (served by a hit, K_i, F_0..F_K built)
     first_round: dict[int, int] = {}  # seq_id -> drafts per branch of a first-round cache not built yet
     built_at: float | None = None  # when the last cache build ended, if no other message came since
-    clock = BuildClock(conn.poll) if config.interruptible_build else None
+    clock = BuildClock(conn.poll) if config.spec.interruptible_build else None
     try:
         while True:
             data = conn.recv_bytes()
@@ -195,7 +187,7 @@ def _serve(conn, engine: DraftEngine, planner: FanOutPlanner, msg, last_plan, fi
         for seq_id, new, k, n, depth in zip(msg.seq_ids, msg.new_token_lists(), msg.num_accepted, msg.num_drafts,
                                             msg.lookahead)
     ]
-    fallback = RANDOM if msg.fallback == wire.FallbackKind.RANDOM else JIT
+    fallback = Fallback.RANDOM if msg.fallback == wire.FallbackKind.RANDOM else Fallback.JIT
     results = engine.speculate(rows, fallback)
     reply = speculation_message(msg.round_id, results, engine.K, engine.dist.target_vocab_size,
                                 engine.last_build, time.perf_counter() - start)
@@ -263,7 +255,8 @@ def speculation_message(
     )
 
 
-_FALLBACK_KIND = {None: wire.FallbackKind.NONE, JIT: wire.FallbackKind.JIT, RANDOM: wire.FallbackKind.RANDOM}
+_FALLBACK_KIND = {None: wire.FallbackKind.NONE, Fallback.JIT: wire.FallbackKind.JIT,
+                  Fallback.RANDOM: wire.FallbackKind.RANDOM}
 
 
 def _params(msg: wire.PrefillMsg, row: int) -> SamplingParams:

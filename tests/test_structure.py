@@ -1,0 +1,97 @@
+"""Structural guards: the option vocabulary stays a torch-free leaf, options are declared once, and the
+package's import graph has no cycle and keeps the engine out of its parts."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ssd.config import EngineConfig, SpeculativeConfig
+from ssd.options import Process, option_fields, options_for
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _import_graph_module():
+    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("module", ["ssd.options", "ssd.config"])
+def test_options_and_config_load_no_torch(module):
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_config_imports_only_the_option_vocabulary():
+    graph = _import_graph_module().import_graph(ROOT, type_checking=True)
+    assert graph["ssd.config"] == {"ssd.options"}
+    assert graph["ssd.options"] == set()
+
+
+def test_the_import_graph_has_no_cycle():
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "import_graph.py"), "--cycles"],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 cycle(s)" in result.stdout
+
+
+def test_the_cycle_finder_finds_cycles():
+    cycles = _import_graph_module().cycles
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set(), "c": {"d"}, "d": {"c"}}) == [["c", "d"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_only_the_front_ends_import_the_engine():
+    graph = _import_graph_module().import_graph(ROOT, type_checking=True)
+    allowed = ("ssd.llm", "ssd.server.", "ssd.cli.")
+    importers = _import_graph_module().importers_of(graph, "ssd.engine")
+    assert [m for m in importers if not m.startswith(allowed)] == []
+
+
+def test_the_engine_reads_proposers_only_through_their_interface():
+    graph = _import_graph_module().import_graph(ROOT, type_checking=True)
+    methods = ("ssd.spec.ssd", "ssd.spec.draft_proposer", "ssd.spec.ngram_proposer", "ssd.spec.drafting")
+    for module in ("ssd.engine", "ssd.executor.step_executor"):
+        assert [m for m in graph[module] if m.startswith(methods)] == [], module
+
+
+def test_every_field_is_a_declared_option_with_help():
+    for config_class in (EngineConfig, SpeculativeConfig):
+        declared = {f.name for f, info in option_fields(config_class) if info.help}
+        fields = {f.name for f in dataclasses.fields(config_class)} - {"speculative_config"}
+        assert declared == fields, config_class.__name__
+
+
+def test_target_ranks_get_exactly_the_runner_arguments():
+    from ssd.distributed.worker import RunnerArgs
+
+    config = EngineConfig(model="m", max_num_seqs=3, kv_cache_memory="1MiB", fused_kernels=False)
+    args = RunnerArgs.from_config(config)
+    assert {f.name for f in dataclasses.fields(RunnerArgs)} == set(options_for(config, Process.TARGET_RANK))
+    assert (args.max_num_seqs, args.kv_cache_memory, args.fused_kernels) == (3, 1 << 20, False)
+
+
+def test_the_command_line_has_a_flag_for_every_option():
+    import argparse
+
+    from ssd.cli.common import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    kwargs = engine_kwargs(parser.parse_args(["--model", "t", "--draft", "d", "--k", "3", "--fan-out", "2",
+                                              "--block-size", "32", "--no-fused-kernels", "--full-builds"]))
+    config = EngineConfig(**kwargs)
+    assert (config.block_size, config.fused_kernels, config.spec.num_speculative_tokens) == (32, False, 3)
+    assert str(config.spec.fan_out) == "2" and config.spec.interruptible_build is False
+    defaults = EngineConfig(**engine_kwargs(parser.parse_args(["--model", "t", "--draft", "d"])))
+    library = EngineConfig(model="t", speculative_config={"method": "ssd", "model": "d"})
+    assert defaults == library  # the flags' defaults are the library's (the command speculates with SSD)
