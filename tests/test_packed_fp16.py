@@ -15,10 +15,10 @@ from ssd import LLM, SamplingParams
 from ssd.config import EngineConfig, SpeculativeConfig
 from ssd.models import weight_formats
 from ssd.models.loader import load_model
+from ssd.models.packed_fp16 import PackedFp16Product
 from ssd.models.weight_formats import pack_weights, resolve_weight_format
 from ssd.options import WeightFormat
 from ssd.resolve import resolve_config
-from ssd.models.packed_fp16 import PackedFp16Product
 from ssd_utils import make_perturbed_draft
 
 pytestmark = pytest.mark.skipif(not weight_formats.fbgemm_available(), reason="PyTorch built without FBGEMM")

@@ -2,7 +2,7 @@
 
 On CPU a decode step, a verification or a draft tree step multiplies a few rows by every weight matrix, so its
 time is the time to stream the weights; FBGEMM's packed products do that far better than float32 GEMM for these
-shapes (``packed_fp16.py``, ``packed_int8.py`` with the measurements).
+shapes (``packed_fp16.py``, ``packed_int8.py``, ``rowwise_int8.py`` with the measurements).
 
 Formats (``weight_format`` for the target, ``draft_weight_format`` for the draft):
 
@@ -11,6 +11,9 @@ Formats (``weight_format`` for the target, ``draft_weight_format`` for the draft
   CPU, ``float32`` models, FBGEMM only;
 - ``"int8-packed"``: drafts only, same conditions: int8 weights and inputs (``ssd/models/packed_int8.py``) for
   the attention and gate/up projections, float16-packed for the rest (:data:`INT8_EXEMPT`, the LM head);
+- ``"w8a8"``: targets and drafts, same conditions: int8 weights per output channel times int8 activations
+  quantized per row, for every projection and the LM head (``ssd/models/rowwise_int8.py``); batch-invariant,
+  and close to flat in the row count up to ~8 rows. A target in it is a different model from its checkpoint;
 - ``"auto"`` (both defaults): ``"fp16-packed"`` where it applies, else ``"dense"``. For the target it applies
   only when ``dtype="auto"`` chose float32 (on any CPU with FBGEMM: float16 weights in this GEMM are the
   fastest precision for few-row products there, see ``ssd/dtypes.py``, and finer than bfloat16); an explicit
@@ -27,6 +30,7 @@ from torch import nn
 
 from ssd.models.packed_fp16 import PackedFp16Product
 from ssd.models.packed_int8 import PackedInt8Product
+from ssd.models.rowwise_int8 import RowwiseInt8Product
 from ssd.options import PACKED_WEIGHT_FORMATS, TARGET_WEIGHT_FORMATS, Dtype, WeightFormat
 
 # Projections that "int8-packed" keeps in float16 (as well as the LM head): the MLP's down projection reads the
@@ -66,18 +70,25 @@ def resolve_weight_format(
 def pack_weights(model: nn.Module, weight_format: WeightFormat) -> int:
     """Switch every projection of ``model`` (a :class:`ssd.models.decoder.DecoderLM`) and its LM head to the
     packed product of ``weight_format`` (``PACKED_WEIGHT_FORMATS``; ``"int8-packed"`` keeps float16 where
-    :data:`INT8_EXEMPT` says); a projection's float32 weight is released (the tied embedding stays: the input
-    lookup reads it). Returns the number of matrices packed."""
+    :data:`INT8_EXEMPT` says, and for the head); a projection's float32 weight is released (the tied embedding
+    stays: the input lookup reads it). Returns the number of matrices packed."""
     if weight_format not in PACKED_WEIGHT_FORMATS:
         raise ValueError(f"weight format {weight_format!r} is not packed; choose one of "
                          f"{[f.value for f in PACKED_WEIGHT_FORMATS]}")
-    int8 = weight_format == WeightFormat.INT8_PACKED
     count = 0
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and hasattr(module, "matmul"):
-            product = PackedInt8Product if int8 and not name.endswith(INT8_EXEMPT) else PackedFp16Product
-            module.matmul = product(module.weight)
+            module.matmul = _product(weight_format, name)(module.weight)
             module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
             count += 1
-    model.head_matmul = PackedFp16Product(model.head_weight)
+    model.head_matmul = _product(weight_format, "lm_head")(model.head_weight)
     return count + 1
+
+
+def _product(weight_format: WeightFormat, name: str) -> type:
+    """The packed product class a matrix named ``name`` gets in ``weight_format``."""
+    if weight_format == WeightFormat.W8A8:
+        return RowwiseInt8Product
+    if weight_format == WeightFormat.INT8_PACKED and not name.endswith(INT8_EXEMPT + ("lm_head",)):
+        return PackedInt8Product
+    return PackedFp16Product

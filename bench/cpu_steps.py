@@ -1,0 +1,85 @@
+"""What a whole forward step costs on this CPU per weight format: a decode step (one row), a verification of
+K + 1 = 5 rows, and SSD tree steps of 8 and 16 branches, as ratios to the decode step.
+
+Speculation pays on CPU only if checking K + 1 positions costs about what one decode step costs; an SSD draft
+keeps up only if a tree step of many branches does too. This times the engine's model forward (paged attention
+over ``--context`` cached tokens, every projection, the LM head on every row a step samples) with random weights
+in the shapes of the default target (SmolLM2-135M), the default draft and Qwen2.5-1.5B, each packed in every
+weight format that applies, one format after the other in one process.
+
+    python bench/cpu_steps.py --threads 1 --json bench/results/cpu_steps.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cpu_products import machine  # noqa: E402
+from gpu_steps import BLOCK, Driver, random_model, step_inputs, time_step  # noqa: E402
+
+from ssd.models.weight_formats import pack_weights  # noqa: E402
+from ssd.options import WeightFormat  # noqa: E402
+
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+DEFAULT_DRAFT = dict(SMOLLM2_135M, num_hidden_layers=4, vocab_size=12288)
+QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
+MODELS = {"smollm2-135m": SMOLLM2_135M, "default-draft": DEFAULT_DRAFT, "qwen2.5-1.5b": QWEN25_15B}
+FORMATS = (WeightFormat.FP16_PACKED, WeightFormat.INT8_PACKED, WeightFormat.W8A8)
+STEPS = {"decode": (1, False), "verify5": (5, False), "tree8": (8, True), "tree16": (16, True)}
+
+
+def time_model(shape: dict, fmt: WeightFormat, context: int, warmup: int, iters: int) -> dict[str, float]:
+    model = random_model(shape, torch.float32, torch.device("cpu"))
+    pack_weights(model, fmt)
+    driver = Driver(model, num_blocks=-(-(context + 32) // BLOCK))
+    device = torch.device("cpu")
+    ms = {}
+    for name, (queries, tree) in STEPS.items():
+        kv_len = context + queries
+        ms[name] = round(time_step(driver, step_inputs(queries, kv_len, tree, shape["vocab_size"]), warmup, iters,
+                                   device), 2)
+    return ms
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--models", default=",".join(MODELS), help=f"subset of {','.join(MODELS)}")
+    p.add_argument("--formats", default=",".join(f.value for f in FORMATS))
+    p.add_argument("--context", type=int, default=160, help="tokens already in the KV cache")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--json", default="")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    info = machine()
+    print(f"# {info['cpu']}, {info['threads']} thread(s), torch {info['torch']} ({info['capability']}), "
+          f"flags {' '.join(info['flags'])}; context {args.context} tokens")
+    results: dict = {"machine": info, "command": "python " + " ".join(sys.argv), "context": args.context,
+                     "results": {}}
+    with torch.inference_mode():
+        for name in args.models.split(","):
+            print(f"\n## {name}: median ms per step (ratio to decode)")
+            for fmt in (WeightFormat(f) for f in args.formats.split(",")):
+                ms = time_model(MODELS[name], fmt, args.context, args.warmup, args.iters)
+                ratios = {step: round(ms[step] / ms["decode"], 2) for step in STEPS}
+                results["results"].setdefault(name, {})[fmt.value] = {"ms": ms, "over_decode": ratios}
+                cells = "  ".join(f"{step} {ms[step]:7.2f} ({ratios[step]:.2f}x)" for step in STEPS)
+                print(f"{fmt.value:12s} {cells}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Weight format ``"w8a8"``: int8 weights (one scale per output channel) times int8 activations quantized per
+row (one scale per row), multiplied in integers by FBGEMM; output float32 (CPU).
+
+Why: a decode step, a verification (K + 1 rows) or an SSD tree step (a row per branch) multiplies a few rows by
+every weight of the model, so on CPU it should cost what reading the weights costs. FBGEMM's float16 GEMM is
+compute-bound from two rows on (a 5-row product costs ~1.9x a 1-row one at 1.5B-model shapes on a Zen 4 core);
+its int8 GEMM reads half the bytes and, with VNNI, stays close to flat up to ~8 rows
+(``bench/cpu_products.py`` measures both on the machine at hand).
+
+Batch invariance: each row is quantized with its own scale (``s_i = max|x_i| / L``, ``q_i = round(x_i / s_i)``)
+and the product of integers is exact, so a row's result is bitwise the same whatever rows share the call and
+wherever it sits among them; that keeps every mode, batch size and K token-identical. (FBGEMM's own dynamic
+quantization, used by ``packed_int8.py``, takes one scale per call and is not.) The integer-valued ``q`` is
+passed with scale 1 and a zero point, so FBGEMM's quantization of it is lossless.
+
+Levels: with VNNI (``avx512_vnni`` / ``avx_vnni``) FBGEMM accumulates u8 x s8 products in 32 bits, so
+activations use L = 127 (zero point 128). Without it, pairs of products are summed in saturating 16 bits, so
+activations use L = 63 (zero point 64: unsigned values below 128), which cannot saturate. The format's numbers
+therefore depend on the CPU family; within one machine every mode and batch shape agrees.
+
+A ``"w8a8"`` target is a different model from its float checkpoint (relative error ~1% per product on random
+data); speculative outputs equal the autoregressive outputs of the target as loaded.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from ssd.dtypes import cpu_flags
+
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni")
+
+
+@functools.cache
+def activation_levels() -> tuple[int, int]:
+    """(L, zero point) of the per-row activation quantization on this CPU (see the module docstring)."""
+    return (127, 128) if any(flag in cpu_flags() for flag in VNNI_FLAGS) else (63, 64)
+
+
+def quantize_per_channel(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] as a symmetric per-output-channel ``qint8`` tensor (scale max|w_row| / 127)."""
+    w = weight.detach().float().contiguous()
+    scales = (w.abs().amax(dim=1) / 127.0).clamp_min(torch.finfo(torch.float32).tiny).double()  # [out]
+    zero_points = torch.zeros(w.shape[0], dtype=torch.long)  # [out]
+    with warnings.catch_warnings():  # quantized tensor constructors warn that they are deprecated
+        warnings.simplefilter("ignore")
+        return torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8)
+
+
+class RowwiseInt8Product:
+    """``x @ W.T (+ bias)`` with ``W`` held as per-channel int8 packed for FBGEMM and ``x`` quantized per row;
+    ``x`` and the result are float32. Called like ``F.linear(x, weight, bias)``; ``weight`` is ignored."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        if weight.dim() != 2 or weight.device.type != "cpu":
+            raise ValueError(f"a packed weight must be a 2-D CPU tensor, got {tuple(weight.shape)} on {weight.device}")
+        self.in_features = weight.shape[1]
+        self.levels, self.zero_point = activation_levels()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.packed = torch.ops.quantized.linear_prepack(quantize_per_channel(weight), None)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None):
+        rows = x.reshape(-1, self.in_features)  # [rows, in]
+        scale = rows.abs().amax(dim=1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / self.levels
+        q = torch.round(rows / scale)  # [rows, in], integers in [-L, L]
+        out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(q, 1.0, self.zero_point, self.packed)
+        out = (out * scale).reshape(*x.shape[:-1], out.shape[-1])  # [..., out]
+        return out if bias is None else out + bias
