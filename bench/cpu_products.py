@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from ssd.dtypes import cpu_flags  # noqa: E402
+from ssd.cpu_features import cpu_flags  # noqa: E402
 from ssd.models.packed_fp16 import PackedFp16Product  # noqa: E402
 from ssd.models.packed_int8 import PackedInt8Product  # noqa: E402
 from ssd.models.rowwise_int8 import RowwiseInt8Product, activation_levels  # noqa: E402

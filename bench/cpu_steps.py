@@ -7,7 +7,10 @@ over ``--context`` cached tokens, every projection, the LM head on every row a s
 in the shapes of the default target (SmolLM2-135M), the default draft and Qwen2.5-1.5B, each packed in every
 weight format that applies, one format after the other in one process.
 
-    python bench/cpu_steps.py --threads 1 --json bench/results/cpu_steps.json
+    python bench/cpu_steps.py --threads 1 --json bench/results/cpu_products.json
+
+The JSON's ``headline`` holds the issue's keys per format: ``verify5_over_decode`` (default target) and
+``tree16_over_draft_decode`` (default draft, 16 branches).
 """
 
 from __future__ import annotations
@@ -51,6 +54,17 @@ def time_model(shape: dict, fmt: WeightFormat, context: int, warmup: int, iters:
     return ms
 
 
+def headline(results: dict) -> dict:
+    """The issue's step ratios per format, where the models were measured."""
+    out = {}
+    for key, model, step in (("verify5_over_decode", "smollm2-135m", "verify5"),
+                             ("tree16_over_draft_decode", "default-draft", "tree16"),
+                             ("verify5_over_decode_1.5b", "qwen2.5-1.5b", "verify5")):
+        if model in results:
+            out[key] = {fmt: r["over_decode"][step] for fmt, r in results[model].items()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=1)
@@ -76,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                 results["results"].setdefault(name, {})[fmt.value] = {"ms": ms, "over_decode": ratios}
                 cells = "  ".join(f"{step} {ms[step]:7.2f} ({ratios[step]:.2f}x)" for step in STEPS)
                 print(f"{fmt.value:12s} {cells}", flush=True)
+    results["headline"] = headline(results["results"])
+    print("\n" + json.dumps(results["headline"]))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     return 0

@@ -14,28 +14,14 @@ over many branches) run several times slower in emulated bf16 than in float32.
 
 from __future__ import annotations
 
-import functools
 import logging
-from pathlib import Path
 
+from ssd.cpu_features import cpu_flags
 from ssd.options import Dtype
 
 logger = logging.getLogger(__name__)
 
 NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags the kernel reports (empty where ``/proc/cpuinfo`` is not available)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
 
 
 def cpu_has_native_bf16() -> bool:

@@ -16,12 +16,14 @@ from ssd.config import EngineConfig, SpeculativeConfig
 from ssd.models import weight_formats
 from ssd.models.loader import load_model
 from ssd.models.packed_fp16 import PackedFp16Product
+from ssd.models.rowwise_int8 import has_vnni
 from ssd.models.weight_formats import pack_weights, resolve_weight_format
 from ssd.options import WeightFormat
 from ssd.resolve import resolve_config
 from ssd_utils import make_perturbed_draft
 
 pytestmark = pytest.mark.skipif(not weight_formats.fbgemm_available(), reason="PyTorch built without FBGEMM")
+DRAFT_AUTO = WeightFormat.W8A8 if has_vnni() else WeightFormat.FP16_PACKED  # a draft's "auto" on this CPU
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 17])
@@ -45,6 +47,8 @@ def test_weights_outside_the_float16_range_are_refused():
 
 def test_resolution_of_formats():
     assert resolve_weight_format("auto", "cpu", "float32") == "fp16-packed"
+    assert resolve_weight_format("auto", "cpu", "float32", draft=True) == DRAFT_AUTO
+    assert resolve_weight_format("auto", "cpu", "bfloat16", draft=True) == "dense"
     assert resolve_weight_format("auto", "cpu", "bfloat16") == "dense"
     assert resolve_weight_format("auto", "cuda:0", "float32") == "dense"
     assert resolve_weight_format("dense", "cpu", "float32") == "dense"
@@ -67,7 +71,7 @@ def test_engine_config_defaults_and_validation():
         assert auto.weight_format == "dense"
     explicit = resolve_config(EngineConfig(model="t", dtype="float32", speculative_config={"model": "d"}))
     assert explicit.weight_format == "dense"  # an explicit float32 keeps float32 weights
-    assert explicit.speculative_config.draft_weight_format == "fp16-packed"  # the draft's numerics are free
+    assert explicit.speculative_config.draft_weight_format == DRAFT_AUTO  # the draft's numerics are free
     dense_draft = resolve_config(EngineConfig(model="t", dtype="float32",
                                               speculative_config={"model": "d", "draft_weight_format": "dense"}))
     assert dense_draft.speculative_config.draft_weight_format == "dense"
@@ -146,7 +150,7 @@ def test_a_packed_draft_leaves_a_dense_target_exact(pair):
         expected = [o.token_ids for o in ar.generate(PROMPTS, GREEDY)]
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
     with LLM(target, speculative_config=spec, **ENGINE) as sd:
-        assert sd.engine.proposer.runner.weight_format == "fp16-packed"
+        assert sd.engine.proposer.runner.weight_format == DRAFT_AUTO
         assert [o.token_ids for o in sd.generate(PROMPTS, GREEDY)] == expected
 
 

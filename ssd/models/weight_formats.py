@@ -11,14 +11,18 @@ Formats (``weight_format`` for the target, ``draft_weight_format`` for the draft
   CPU, ``float32`` models, FBGEMM only;
 - ``"int8-packed"``: drafts only, same conditions: int8 weights and inputs (``ssd/models/packed_int8.py``) for
   the attention and gate/up projections, float16-packed for the rest (:data:`INT8_EXEMPT`, the LM head);
-- ``"w8a8"``: targets and drafts, same conditions: int8 weights per output channel times int8 activations
-  quantized per row, for every projection and the LM head (``ssd/models/rowwise_int8.py``); batch-invariant,
-  and close to flat in the row count up to ~8 rows. A target in it is a different model from its checkpoint;
-- ``"auto"`` (both defaults): ``"fp16-packed"`` where it applies, else ``"dense"``. For the target it applies
+- ``"w8a8"``: drafts only (for now), same conditions: int8 weights per output channel times int8 activations
+  quantized per row, for every projection and the LM head (``ssd/models/rowwise_int8.py``); batch-invariant
+  products, close to flat in the row count up to ~8 rows. Not for targets yet: per-row activation rounding
+  turns the last-bit differences attention still has between a decode step, a verification and a prefill into
+  different tokens (see ``rowwise_int8.py``);
+- ``"auto"`` (both defaults): for a target, ``"fp16-packed"`` where it applies, else ``"dense"``; it applies
   only when ``dtype="auto"`` chose float32 (on any CPU with FBGEMM: float16 weights in this GEMM are the
   fastest precision for few-row products there, see ``ssd/dtypes.py``, and finer than bfloat16); an explicit
-  ``dtype="float32"`` keeps float32 weights. A draft's numerics never change the output, only how often its
-  guesses are accepted.
+  ``dtype="float32"`` keeps float32 weights. For a draft, ``"w8a8"`` where the packed formats apply and the CPU
+  has VNNI (its measured case: faster tree steps at unchanged acceptance, README "Weight formats"), else
+  ``"fp16-packed"`` where it applies, else ``"dense"``. A draft's numerics never change the output, only how
+  often its guesses are accepted.
 
 All modes of an engine use the same target, so speculative outputs still equal its autoregressive ones.
 """
@@ -30,7 +34,7 @@ from torch import nn
 
 from ssd.models.packed_fp16 import PackedFp16Product
 from ssd.models.packed_int8 import PackedInt8Product
-from ssd.models.rowwise_int8 import RowwiseInt8Product
+from ssd.models.rowwise_int8 import RowwiseInt8Product, has_vnni
 from ssd.options import PACKED_WEIGHT_FORMATS, TARGET_WEIGHT_FORMATS, Dtype, WeightFormat
 
 # Projections that "int8-packed" keeps in float16 (as well as the LM head): the MLP's down projection reads the
@@ -58,6 +62,8 @@ def resolve_weight_format(
     weight_format = WeightFormat(weight_format)
     applies = str(device).startswith("cpu") and dtype == Dtype.FLOAT32 and fbgemm_available()
     if weight_format is WeightFormat.AUTO:
+        if draft and applies and has_vnni():
+            return WeightFormat.W8A8
         return WeightFormat.FP16_PACKED if applies and not explicit_dtype else WeightFormat.DENSE
     if weight_format in PACKED_WEIGHT_FORMATS and not applies:
         raise ValueError(
