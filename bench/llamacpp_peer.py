@@ -58,7 +58,8 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def ours(model: str, sets: list, threads: int, output_len: int, speculative_config: dict | None = None) -> dict:
+def ours(model: str, sets: list, threads: int, output_len: int, speculative_config: dict | None = None,
+         weight_format: str = "auto") -> dict:
     """Our engine's greedy decoding of every prompt set, one request at a time, tok/s per set (the target on
     ``threads`` threads; an SSD draft on the remaining core)."""
     import torch
@@ -68,8 +69,8 @@ def ours(model: str, sets: list, threads: int, output_len: int, speculative_conf
     torch.set_num_threads(threads)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     out = {}
-    with LLM(model, num_threads=threads, kv_cache_memory="256MiB", max_model_len=2048,
-             speculative_config=speculative_config) as llm:
+    with LLM(model, dtype="float32", weight_format=weight_format, num_threads=threads, kv_cache_memory="256MiB",
+             max_model_len=2048, speculative_config=speculative_config) as llm:
         llm.generate([sets[0]["prompts"][0]], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
         for prompt_set in sets:
             tokens, seconds, texts = 0, 0.0, []
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", default="1,2")
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--output-len", type=int, default=48)
-    p.add_argument("--k", type=int, default=4, help="llama.cpp prompt-lookup tokens per round")
+    p.add_argument("--k", type=int, default=4, help="draft tokens per round (ours and llama.cpp's prompt lookup)")
+    p.add_argument("--w8a8", action="store_true", help="also our w8a8 target (AR at each thread count, SSD)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     if args.worker:
@@ -121,11 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     results = {"machine": machine(), "command": "python " + " ".join(sys.argv), "gguf": gguf,
                "llama_cpp_python": peer["llama_cpp_python"], "ours": {}, "llamacpp": peer["runs"], "ratios": {}}
     for t in threads:
-        results["ours"][f"ar-t{t}"] = ours(model, sets, t, args.output_len)
+        results["ours"][f"ar-t{t}"] = ours(model, sets, t, args.output_len, None, "fp16-packed")
     draft = str(Path(__file__).resolve().parent.parent / "models" / "smollm2-draft")
     for method, label in (("draft_model", "sd-t1"), ("ssd", "ssd-t1+1"), ("ngram", "ngram-t1")):
         spec = {"method": method, "num_speculative_tokens": args.k, **({} if method == "ngram" else {"model": draft})}
-        results["ours"][label] = ours(model, sets, 1, args.output_len, spec)
+        results["ours"][label] = ours(model, sets, 1, args.output_len, spec, "fp16-packed")
+    if args.w8a8:  # the quantized target (int8 weights, per-row int8 activations): a different model
+        for t in threads:
+            results["ours"][f"w8a8-ar-t{t}"] = ours(model, sets, t, args.output_len, None, "w8a8")
+        spec = {"method": "ssd", "num_speculative_tokens": args.k, "model": draft}
+        results["ours"]["w8a8-ssd-t1+1"] = ours(model, sets, 1, args.output_len, spec, "w8a8")
     print(f"# {results['machine']['cpu']}; {Path(gguf).name}; llama-cpp-python {peer['llama_cpp_python']}; "
           f"{args.num_prompts} prompts per set, {args.output_len} tokens, batch 1, tok/s HumanEval / chat")
     for t in threads:
@@ -137,18 +144,19 @@ def main(argv: list[str] | None = None) -> int:
                  for s in sets}
         results["ratios"][f"ar_over_llamacpp_t{t}"] = ratio
         print(f"{t} thread(s)  ar_over_llamacpp {ratio['humaneval']:.2f} / {ratio['chat']:.2f}")
-    for label in ("sd-t1", "ssd-t1+1", "ngram-t1"):
+    for label in [k for k in results["ours"] if not k.startswith("ar-")]:
         r = results["ours"][label]
         print(f"ours {label:22s}  {r['humaneval']['tok_s']:6.1f} / {r['chat']['tok_s']:6.1f}")
-    # our fastest mode on the two cores over llama.cpp's fastest on them, per prompt set
-    best = {}
-    for s in sets:
-        name = s["name"]
-        our_best = max(r[name]["tok_s"] for r in results["ours"].values())
-        their_best = max(r[name]["tok_s"] for r in peer["runs"].values())
-        best[name] = round(our_best / their_best, 3)
-    results["ratios"]["best_over_llamacpp_best"] = best
-    print(f"our fastest mode over llama.cpp's fastest: {best['humaneval']:.2f} / {best['chat']:.2f}")
+    # our fastest mode on the two cores over llama.cpp's fastest on them, per prompt set; float16 weights and,
+    # separately, the w8a8 target
+    for key, quantized in (("best_over_llamacpp_best", False), ("best_w8a8_over_llamacpp_best", True)):
+        mine = [r for label, r in results["ours"].items() if label.startswith("w8a8") == quantized]
+        if not mine:
+            continue
+        best = {s["name"]: round(max(r[s["name"]]["tok_s"] for r in mine)
+                                 / max(r[s["name"]]["tok_s"] for r in peer["runs"].values()), 3) for s in sets}
+        results["ratios"][key] = best
+        print(f"{key}: {best['humaneval']:.2f} / {best['chat']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     return 0

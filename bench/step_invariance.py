@@ -4,19 +4,22 @@ Every mode, batch size and K stays token-identical only if a token's logits do n
 in: a decode step (one row), a verification (K + 1 rows) or a prefill chunk. This feeds the same tokens to the
 engine's model forward three ways (a 20-token prefill, then 20 decode steps / four 5-row steps / one 20-row
 chunk) and prints, per weight format, whether the logits of the last 20 tokens are bitwise equal and their
-largest difference. ``--rowwise-attention`` replaces attention with a reference that computes each query row
-alone (in float64, slow): the differences that remain then come from the rest of the forward.
+largest difference. ``--attention``: ``sdpa`` (the engine's default), ``kernel`` (the row-invariant kernel
+that w8a8 targets use, ``ssd/executor/row_attention.py``) or ``reference`` (each query row alone in float64,
+slow: the differences that remain then come from the rest of the forward).
 
-    python bench/step_invariance.py [--model PATH] [--formats fp16-packed,w8a8] [--rowwise-attention]
+    python bench/step_invariance.py [--model PATH] [--formats fp16-packed,w8a8] [--attention kernel]
 
-On the default target (2026-12-07): fp16-packed differs by up to ~6e-5 between the paths, w8a8 by up to 4.5
-(per-row activation rounding amplifies attention's last bits); with row-wise attention both are bitwise equal.
+On the default target (2026-12-07): with SDPA fp16-packed differs by up to ~6e-5 between the paths, w8a8 by up
+to 4.5 (per-row activation rounding amplifies attention's last bits); with the kernel or the reference, both
+are bitwise equal.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import gpu_steps  # noqa: E402
 from gpu_steps import Driver  # noqa: E402
 
 import ssd.executor.attention as attention  # noqa: E402
@@ -74,14 +78,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint (default: the fetched SmolLM2-135M)")
     p.add_argument("--formats", default="fp16-packed,w8a8")
-    p.add_argument("--rowwise-attention", action="store_true", help="attention computed row by row (reference)")
+    p.add_argument("--attention", default="sdpa", choices=["sdpa", "kernel", "reference"])
     args = p.parse_args(argv)
     if args.model is None:
         from ssd.models.fetch import fetch_default_target
 
         args.model = str(fetch_default_target())
-    if args.rowwise_attention:
+    if args.attention == "reference":
         attention.attend_cached = decoder.attend_cached = rowwise_attention
+    elif args.attention == "kernel":
+        build = gpu_steps.build_attention_metadata
+        gpu_steps.build_attention_metadata = lambda *a, **k: replace(build(*a, **k), row_invariant=True)
     torch.manual_seed(0)
     tokens = torch.randint(100, 5000, (PREFIX + TAIL,)).tolist()
     paths = {"decode": [PREFIX] + [1] * TAIL, "verify5": [PREFIX] + [5] * (TAIL // 5), "prefill": [PREFIX, TAIL]}

@@ -182,8 +182,10 @@ class EngineConfig:
                                       "bfloat16 where the CPU computes it natively, else float32); bfloat16 on "
                                       "CUDA GPUs that support it, else float16 (ssd/dtypes.py)", processes=(RANK,))
     weight_format: WeightFormat = option(
-        WeightFormat.AUTO, "fp16-packed: float16 weights in FBGEMM's packed GEMM (CPU, float32); auto: that where "
-        "dtype auto chose float32 (an explicit float32 keeps float32 weights), else dense "
+        WeightFormat.AUTO, "fp16-packed: float16 weights in FBGEMM's packed GEMM (CPU, float32); w8a8: int8 "
+        "weights times per-row int8 activations with row-invariant attention (CPU, float32; a quantized model, "
+        "exact in every mode); auto: fp16-packed where dtype auto chose float32 (an explicit float32 keeps "
+        "float32 weights), else dense "
         "(ssd/models/weight_formats.py)", processes=(RANK,), choices=[f.value for f in TARGET_WEIGHT_FORMATS])
     device: str = option("cpu", "the target's device (cpu, cuda, cuda:1, ...)")
     max_model_len: int | None = option(None, "longest sequence (default: the model's max_position_embeddings, "

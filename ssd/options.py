@@ -75,11 +75,11 @@ class WeightFormat(_Choice):
     DENSE = "dense"
     FP16_PACKED = "fp16-packed"
     INT8_PACKED = "int8-packed"  # drafts only
-    W8A8 = "w8a8"  # drafts only (for now): int8 weights and per-row int8 activations, batch-invariant products
+    W8A8 = "w8a8"  # int8 weights and per-row int8 activations; targets use row-invariant attention with it
     AUTO = "auto"
 
 
-TARGET_WEIGHT_FORMATS = (WeightFormat.DENSE, WeightFormat.FP16_PACKED, WeightFormat.AUTO)
+TARGET_WEIGHT_FORMATS = (WeightFormat.DENSE, WeightFormat.FP16_PACKED, WeightFormat.W8A8, WeightFormat.AUTO)
 PACKED_WEIGHT_FORMATS = (WeightFormat.FP16_PACKED, WeightFormat.INT8_PACKED, WeightFormat.W8A8)
 
 

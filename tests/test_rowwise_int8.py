@@ -102,10 +102,3 @@ def test_a_w8a8_draft_leaves_every_mode_exact(checkpoint_factory, tmp_path):
             assert llm.stats.num_accepted_tokens > 0
             if spec["method"] == "draft_model":
                 assert llm.engine.proposer.runner.weight_format == WeightFormat.W8A8
-
-
-def test_w8a8_is_a_draft_format_until_attention_is_row_invariant():
-    from ssd.config import EngineConfig
-
-    with pytest.raises(ValueError, match="weight format 'w8a8' is not supported for a target"):
-        EngineConfig(model="t", dtype="float32", weight_format="w8a8")

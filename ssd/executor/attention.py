@@ -37,6 +37,7 @@ class AttentionMetadata:
     out_index: torch.Tensor  # [T] int64: position of each flat token in the padded [B*Q] output
     mask: torch.Tensor | None  # [B, 1, Q, L] bool, True = may attend; None = one query per sequence (T == B)
     # that sees every one of its L slots
+    row_invariant: bool = False  # compute each query row on its own (ssd/executor/row_attention.py)
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +111,12 @@ def attend_cached(
         return dense_attention(query, cache, meta, scale)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = cache.key.shape[-2]
+    if meta.row_invariant:
+        from ssd.executor.row_attention import row_attention
+
+        return row_attention(query, cache.key.view(-1, num_kv_heads, head_dim),
+                             cache.value.view(-1, num_kv_heads, head_dim), meta.kv_slots, meta.query_rows,
+                             None if meta.mask is None else meta.mask[:, 0], scale)
 
     keys = gather_slots(cache.key, meta.kv_slots).transpose(1, 2)  # [B, Hkv, L, D]
     values = gather_slots(cache.value, meta.kv_slots).transpose(1, 2)  # [B, Hkv, L, D]

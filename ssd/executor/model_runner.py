@@ -25,6 +25,7 @@ from ssd.executor.attention_layout import build_step_tensors
 from ssd.executor.cuda_graphs import GraphRunner, GraphRunnerConfig
 from ssd.executor.forward_items import ForwardItem, flatten_items
 from ssd.executor.memory import available_memory_bytes
+from ssd.executor.row_attention import available as row_attention_available
 from ssd.models.arch import ModelArchConfig
 from ssd.models.draft_vocab import DraftVocab
 from ssd.models.decoder import fused_kernels_usable
@@ -65,6 +66,7 @@ class ModelRunner:
         tp: "TensorParallelGroup | None" = None,
         graphs: GraphOptions | None = None,
         weight_format: WeightFormat = WeightFormat.DENSE,
+        row_invariant_attention: bool = False,
         fused_kernels: bool = True,
     ) -> None:
         self.device = torch.device(device)
@@ -79,6 +81,10 @@ class ModelRunner:
             self.model.enable_fused_kernels()
             logger.info("fused Triton kernels on for %s", model_path)
         self.weight_format = weight_format
+        self.row_invariant_attention = row_invariant_attention
+        if row_invariant_attention and not row_attention_available():
+            raise ValueError("row-invariant attention needs its kernel, which could not be compiled here (see the "
+                             "warning above: a C++ compiler and ninja are needed)")
         if weight_format in PACKED_WEIGHT_FORMATS:
             count = pack_weights(self.model, weight_format)
             logger.info("packed %d weight matrices (%s) for FBGEMM", count, weight_format)
@@ -176,6 +182,7 @@ class ModelRunner:
             if logits is not None:  # None: no bucket fits
                 return logits  # [N, V] float32
         step = build_step_tensors(flat.token_ids, flat.positions, flat.layouts, flat.logit_rows, self.device)
+        step.meta.row_invariant = self.row_invariant_attention
         input_ids = step.input_ids if self._input_map is None else self._input_map[step.input_ids]  # [T] model ids
         hidden = self.model(input_ids, step.positions, step.meta, self.kv_caches)  # [T, H]
         selected = hidden if flat.all_rows else hidden[step.logit_rows]  # [N, H]

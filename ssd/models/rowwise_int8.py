@@ -18,13 +18,13 @@ activations use L = 127 (zero point 128). Without it, pairs of products are summ
 activations use L = 63 (zero point 64: unsigned values below 128), which cannot saturate. The format's numbers
 therefore depend on the CPU family; within one machine every mode and batch shape agrees.
 
-Drafts only, for now. Every product is batch-invariant, but a target must be invariant as a whole forward, and
-attention is not yet: the SDPA calls of a decode step, a K + 1 verification and a prefill sum in different
-orders, a last-bit matter in float weights (fp16-packed logits differ by ~6e-5 between those paths on the
-default target) that per-row activation rounding amplifies (a flipped rounding step, then 30 layers: 4.5 in the
-logits), so SD and SSD would not reproduce AR. With attention computed row by row (each query alone) the same
-w8a8 model gives bitwise-identical logits on all three paths; a row-invariant attention kernel is what a w8a8
-target needs. Quality: on the default target, teacher-forced top-1 agreement with its float32 checkpoint is 90%
+Targets: every product is batch-invariant, but a target must be invariant as a whole forward, and PyTorch's
+attention is not: the SDPA calls of a decode step, a K + 1 verification and a prefill sum in different orders,
+a last-bit matter in float weights (fp16-packed logits differ by ~6e-5 between those paths on the default
+target) that per-row activation rounding amplifies (a flipped rounding step, then 30 layers: 4.5 in the
+logits), so SD and SSD would not reproduce AR. A w8a8 target therefore computes attention with the
+row-invariant kernel (``ssd/executor/row_attention.py``), with which its logits are bitwise identical on all
+three paths (``bench/step_invariance.py``). A w8a8 target is a different model from its checkpoint. Quality: on the default target, teacher-forced top-1 agreement with its float32 checkpoint is 90%
 (fp16-packed: 100%; ``bench/quant_agreement.py``); a draft's numerics only change its acceptance, which
 stayed within noise (``train/measure.py``, K = 4: 2.54 / 1.86 / 2.77 vs 2.52 / 1.87 / 2.81 in float16 on
 HumanEval-style / chat / HumanEval).
