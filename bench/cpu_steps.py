@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_products import machine  # noqa: E402
-import gpu_steps  # noqa: E402
 from gpu_steps import BLOCK, Driver, random_model, step_inputs, time_step  # noqa: E402
 
 from ssd.models.weight_formats import pack_weights  # noqa: E402
@@ -49,17 +47,13 @@ def time_model(shape: dict, fmt: str, context: int, warmup: int, iters: int) -> 
     model = random_model(shape, torch.float32, torch.device("cpu"))
     weight_format, _, attention = fmt.partition("+")
     pack_weights(model, WeightFormat(weight_format))
-    build = gpu_steps.build_attention_metadata
-    if attention:
-        gpu_steps.build_attention_metadata = lambda *a, **k: replace(build(*a, **k), row_invariant=True)
-    driver = Driver(model, num_blocks=-(-(context + 32) // BLOCK))
+    driver = Driver(model, num_blocks=-(-(context + 32) // BLOCK), row_invariant=bool(attention))
     device = torch.device("cpu")
     ms = {}
     for name, (queries, tree) in STEPS.items():
         kv_len = context + queries
         ms[name] = round(time_step(driver, step_inputs(queries, kv_len, tree, shape["vocab_size"]), warmup, iters,
                                    device), 2)
-    gpu_steps.build_attention_metadata = build
     return ms
 
 

@@ -35,8 +35,11 @@ BLOCK = 16
 class Driver:
     """One model over its own paged cache (plus a pad block), stepped by the reference forward or a GraphRunner."""
 
-    def __init__(self, model: DecoderLM, num_blocks: int, graphs: GraphRunnerConfig | None = None) -> None:
+    def __init__(self, model: DecoderLM, num_blocks: int, graphs: GraphRunnerConfig | None = None,
+                 row_invariant: bool = False) -> None:
+        """``row_invariant``: the reference forward's attention runs row by row (as a w8a8 target's does)."""
         self.model = model
+        self.row_invariant = row_invariant
         self.caches = model.allocate_kv_caches(num_blocks + 1, BLOCK)
         self.runner = None if graphs is None else GraphRunner(model, self.caches, num_blocks * BLOCK, graphs)
         self.fallbacks = 0
@@ -51,10 +54,23 @@ class Driver:
             self.fallbacks += 1
         device = self.model.device
         meta = build_attention_metadata(flat.layouts, device)
+        meta.row_invariant = self.row_invariant
         hidden = self.model(torch.tensor(flat.token_ids, dtype=torch.long, device=device),
                             torch.tensor(flat.positions, dtype=torch.long, device=device), meta, self.caches)
         rows = torch.tensor(flat.logit_rows, dtype=torch.long, device=device)
         return self.model.compute_logits(hidden[rows])  # [N, V]
+
+
+def sequence_logits(model: DecoderLM, tokens: list[int], chunks: list[int], row_invariant: bool = False):
+    """Float32 logits ``[len(tokens), V]`` of one sequence fed to a fresh cache in steps of ``chunks`` tokens."""
+    driver = Driver(model, num_blocks=-(-len(tokens) // BLOCK) + 1, row_invariant=row_invariant)
+    out, pos = [], 0
+    for n in chunks:
+        slots = np.arange(pos, pos + n)
+        step = FlatStep(tokens[pos : pos + n], slots, [SequenceLayout(slots, np.arange(pos + n), None)], list(range(n)))
+        out.append(driver.step(step))
+        pos += n
+    return torch.cat(out)
 
 
 def scenario(vocab: int, seed: int = 0) -> Callable[[torch.Tensor | None], FlatStep | None]:

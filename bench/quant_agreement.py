@@ -15,7 +15,6 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,10 +23,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "train"))
 
 from eval_prompts import CHAT_EVAL, CODE_EVAL  # noqa: E402
-from gpu_steps import BLOCK, Driver  # noqa: E402
+from gpu_steps import sequence_logits  # noqa: E402
 
-from ssd.executor.attention_layout import SequenceLayout  # noqa: E402
-from ssd.executor.forward_items import FlatStep  # noqa: E402
 from ssd.models.loader import load_model  # noqa: E402
 from ssd.models.weight_formats import pack_weights  # noqa: E402
 from ssd.options import WeightFormat  # noqa: E402
@@ -46,11 +43,7 @@ def sequences(model_path: str, num: int, max_tokens: int) -> list[tuple[int, lis
 
 def logprobs_of(model, tokens: list[int]) -> torch.Tensor:
     """Log-probabilities ``[n, V]`` of the next token at every position, from one causal forward."""
-    n = len(tokens)
-    driver = Driver(model, num_blocks=-(-n // BLOCK) + 1)
-    slots = np.arange(n)
-    step = FlatStep(tokens, np.arange(n), [SequenceLayout(slots, slots, None)], list(range(n)))
-    return torch.log_softmax(driver.step(step).double(), dim=-1)
+    return torch.log_softmax(sequence_logits(model, tokens, [len(tokens)]).double(), dim=-1)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,23 +19,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-import gpu_steps  # noqa: E402
-from gpu_steps import Driver  # noqa: E402
+from gpu_steps import sequence_logits  # noqa: E402
 
 import ssd.executor.attention as attention  # noqa: E402
 import ssd.models.decoder as decoder  # noqa: E402
-from ssd.executor.attention_layout import SequenceLayout  # noqa: E402
-from ssd.executor.forward_items import FlatStep  # noqa: E402
 from ssd.models.loader import load_model  # noqa: E402
 from ssd.models.weight_formats import pack_weights  # noqa: E402
 from ssd.options import WeightFormat  # noqa: E402
@@ -62,18 +57,6 @@ def rowwise_attention(query, cache, meta, scale):
     return out
 
 
-def logits_by_path(model, tokens: list[int], chunks: list[int]) -> torch.Tensor:
-    """Logits ``[len(tokens), V]`` of a sequence fed in steps of ``chunks`` tokens."""
-    driver = Driver(model, num_blocks=-(-len(tokens) // 16) + 1)
-    out, pos = [], 0
-    for n in chunks:
-        slots = np.arange(pos, pos + n)
-        step = FlatStep(tokens[pos : pos + n], slots, [SequenceLayout(slots, np.arange(pos + n), None)], list(range(n)))
-        out.append(driver.step(step))
-        pos += n
-    return torch.cat(out)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="checkpoint (default: the fetched SmolLM2-135M)")
@@ -86,9 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(fetch_default_target())
     if args.attention == "reference":
         attention.attend_cached = decoder.attend_cached = rowwise_attention
-    elif args.attention == "kernel":
-        build = gpu_steps.build_attention_metadata
-        gpu_steps.build_attention_metadata = lambda *a, **k: replace(build(*a, **k), row_invariant=True)
+
     torch.manual_seed(0)
     tokens = torch.randint(100, 5000, (PREFIX + TAIL,)).tolist()
     paths = {"decode": [PREFIX] + [1] * TAIL, "verify5": [PREFIX] + [5] * (TAIL // 5), "prefill": [PREFIX, TAIL]}
@@ -96,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         for fmt in args.formats.split(","):
             model, _ = load_model(args.model, dtype=torch.float32)
             pack_weights(model, WeightFormat(fmt))
-            logits = {name: logits_by_path(model, tokens, chunks)[PREFIX:] for name, chunks in paths.items()}
+            logits = {name: sequence_logits(model, tokens, chunks, args.attention == "kernel")[PREFIX:]
+                      for name, chunks in paths.items()}
             cells = []
             for name in ("verify5", "prefill"):
                 diff = (logits[name] - logits["decode"]).abs().max().item()

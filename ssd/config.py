@@ -176,7 +176,7 @@ class EngineConfig:
     """Everything the engine needs to start; validated eagerly so mistakes surface before any model loads."""
 
     model: str = option(help="target checkpoint folder (command line default: the fetched SmolLM2-135M)",
-                        processes=(RANK,), cli_default=None)
+                        processes=(RANK,))
     tokenizer: str | None = option(None, "tokenizer folder (default: the model's)")
     dtype: Dtype = option(Dtype.AUTO, "auto: float32 with packed float16 weights on CPUs with FBGEMM (else "
                                       "bfloat16 where the CPU computes it natively, else float32); bfloat16 on "

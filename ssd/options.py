@@ -220,7 +220,7 @@ class Process(_Choice):
 class OptionInfo:
     """What a field declares besides its type and default.
 
-    ``flags``: command line spellings (default ``--field-name``; ``()`` for an option with no flag);
+    ``flags``: command line spellings (default ``--field-name``);
     ``parse``: turns a flag's text into the value (default: the field's type for ``int``, ``float`` and
     ``str``; a bool is a ``--x / --no-x`` pair); ``choices``: the allowed spellings; ``const``: the value of
     the flag given without an argument; ``processes``: besides the engine; ``cli_default``: where the command
@@ -233,20 +233,18 @@ class OptionInfo:
     parse: Callable[[str], Any] | None = None
     choices: tuple[str, ...] | None = None
     const: str | None = None
-    cli_default: Any = None
-    has_cli_default: bool = False  # cli_default is the flag's default (it differs from the field's)
+    cli_default: Any = None  # None: the field's default
     off_flags: tuple[str, ...] = ()  # a bool's further spellings for False
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, processes: Sequence[Process] = (),
            flags: Sequence[str] | None = None, parse: Callable[[str], Any] | None = None,
            choices: Sequence[str] | None = None, const: str | None = None,
-           cli_default: Any = dataclasses.MISSING, off_flags: Sequence[str] = ()) -> Any:
+           cli_default: Any = None, off_flags: Sequence[str] = ()) -> Any:
     """A dataclass field that is an option: its default, help text, readers and command line spelling."""
     info = OptionInfo(help, tuple(processes), None if flags is None else tuple(flags), parse,
                       None if choices is None else tuple(choices), const,
-                      None if cli_default is dataclasses.MISSING else cli_default,
-                      cli_default is not dataclasses.MISSING, tuple(off_flags))
+                      cli_default, tuple(off_flags))
     return dataclasses.field(default=default, metadata={"option": info})
 
 

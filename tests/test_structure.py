@@ -71,6 +71,35 @@ def test_every_field_is_a_declared_option_with_help():
         assert declared == fields, config_class.__name__
 
 
+def _attributes_read(path: Path, owner: str) -> set[str]:
+    """Attribute names a module reads off a name or attribute called ``owner`` (``spec.x``, ``config.spec.x``)."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            value = node.value
+            if (isinstance(value, ast.Name) and value.id == owner) or (
+                    isinstance(value, ast.Attribute) and value.attr == owner):
+                names.add(node.attr)
+    return names
+
+
+def test_the_draft_worker_reads_only_options_declared_for_it():
+    """The process column of the declarations is what the worker reads: a new option the worker starts to read
+    must be declared for it (or this fails)."""
+    worker = ROOT / "ssd" / "spec" / "ssd" / "worker.py"
+    derived = {"lookup": {"prompt_lookup", "prompt_lookup_min", "prompt_lookup_max"},
+               "fan_outs": {"fan_out", "fan_out_miss"},  # properties of SpeculativeConfig
+               "spec": set()}  # EngineConfig's speculative options, checked as SpeculativeConfig's
+    for config_class, owner in ((SpeculativeConfig, "spec"), (EngineConfig, "engine_config")):
+        read = set()
+        for name in _attributes_read(worker, owner):
+            read |= derived.get(name, {name})
+        declared = {f.name for f, info in option_fields(config_class) if Process.DRAFT_WORKER in info.processes}
+        assert read and read <= declared, (config_class.__name__, sorted(read - declared))
+
+
 def test_target_ranks_get_exactly_the_runner_arguments():
     from ssd.distributed.worker import RunnerArgs
 

@@ -23,8 +23,8 @@ def add_option_flags(group: Any, config_class: type) -> None:
     hints = typing.get_type_hints(config_class)
     for f, info in option_fields(config_class):
         value_type = _value_type(hints[f.name])
-        default = info.cli_default if info.has_cli_default else f.default
-        if default is dataclasses.MISSING:
+        default = info.cli_default if info.cli_default is not None else f.default
+        if default is dataclasses.MISSING:  # a required field (the model): the command fills it in
             default = None
         kwargs: dict[str, Any] = dict(dest=_dest(f, info), default=default, help=info.help)
         if value_type is bool:
@@ -42,8 +42,8 @@ def add_option_flags(group: Any, config_class: type) -> None:
                 kwargs["help"] += " (default: %(default)s)"
         group.add_argument(*_flags(f, info), **kwargs)
         for flag in info.off_flags:
-            group.add_argument(flag, dest=kwargs["dest"], action="store_false", help=f"the same as --no-{_dest(f, info)}"
-                               .replace("_", "-"))
+            group.add_argument(flag, dest=kwargs["dest"], action="store_false",
+                               help=f"the same as --no-{_flags(f, info)[0].lstrip('-')}")
 
 
 def options_from_args(args: argparse.Namespace, config_class: type) -> dict[str, Any]:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ssd.executor.row_attention import row_attention
+
 
 @dataclass
 class AttentionMetadata:
@@ -112,8 +114,6 @@ def attend_cached(
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = cache.key.shape[-2]
     if meta.row_invariant:
-        from ssd.executor.row_attention import row_attention
-
         return row_attention(query, cache.key.view(-1, num_kv_heads, head_dim),
                              cache.value.view(-1, num_kv_heads, head_dim), meta.kv_slots, meta.query_rows,
                              None if meta.mask is None else meta.mask[:, 0], scale)

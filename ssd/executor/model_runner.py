@@ -69,6 +69,10 @@ class ModelRunner:
         row_invariant_attention: bool = False,
         fused_kernels: bool = True,
     ) -> None:
+        if row_invariant_attention and not row_attention_available():  # before paying for the weights
+            raise ValueError(f"{model_path}: row-invariant attention (which a w8a8 target needs) requires its "
+                             "kernel, which could not be compiled here (see the warning above: a C++ compiler "
+                             "and ninja are needed)")
         self.device = torch.device(device)
         self.dtype = torch_dtype(resolve_dtype(dtype, str(self.device)))
         self.block_size = block_size
@@ -82,9 +86,6 @@ class ModelRunner:
             logger.info("fused Triton kernels on for %s", model_path)
         self.weight_format = weight_format
         self.row_invariant_attention = row_invariant_attention
-        if row_invariant_attention and not row_attention_available():
-            raise ValueError("row-invariant attention needs its kernel, which could not be compiled here (see the "
-                             "warning above: a C++ compiler and ninja are needed)")
         if weight_format in PACKED_WEIGHT_FORMATS:
             count = pack_weights(self.model, weight_format)
             logger.info("packed %d weight matrices (%s) for FBGEMM", count, weight_format)

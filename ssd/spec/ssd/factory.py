@@ -30,7 +30,7 @@ def build_ssd_proposer(
     # beyond the sequence's own.
     scratch = K + 1 + K * budget
     worker = WorkerConfig(
-        engine=config,
+        engine_config=config,
         device=device,
         max_model_len=target.max_model_len,
         num_blocks=draft_num_blocks(config, target, scratch),

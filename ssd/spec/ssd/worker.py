@@ -40,7 +40,7 @@ class WorkerConfig:
     """What the draft worker starts from: the engine's resolved options (it reads those ``ssd/config.py``
     declares for ``Process.DRAFT_WORKER``) and what the target side worked out for it."""
 
-    engine: EngineConfig  # resolved (ssd/resolve.py), with a speculative_config of method "ssd"
+    engine_config: EngineConfig  # resolved (ssd/resolve.py), with a speculative_config of method "ssd"
     device: str  # the draft's
     max_model_len: int  # the target's
     num_blocks: int  # draft KV blocks: the target's plus scratch for every branch of every running sequence
@@ -52,8 +52,8 @@ class WorkerConfig:
 
     @property
     def spec(self) -> SpeculativeConfig:
-        assert self.engine.spec is not None
-        return self.engine.spec
+        assert self.engine_config.spec is not None
+        return self.engine_config.spec
 
 
 def _pin(config: WorkerConfig) -> None:
@@ -65,15 +65,15 @@ def _pin(config: WorkerConfig) -> None:
 
 
 def build_draft_engine(config: WorkerConfig) -> DraftEngine:
-    spec, engine = config.spec, config.engine
+    spec, engine_config = config.spec, config.engine_config
     runner = ModelRunner(
-        spec.model, spec.draft_dtype, config.device, engine.block_size, config.max_model_len,
+        spec.model, spec.draft_dtype, config.device, engine_config.block_size, config.max_model_len,
         kv_cache_memory=None, kv_cache_fraction=0.5, num_blocks=config.num_blocks,
-        graphs=config.graphs, weight_format=spec.draft_weight_format, fused_kernels=engine.fused_kernels,
+        graphs=config.graphs, weight_format=spec.draft_weight_format, fused_kernels=engine_config.fused_kernels,
     )
-    kv = KVCacheManager(BlockPool(runner.num_blocks, engine.block_size, engine.enable_prefix_caching))
+    kv = KVCacheManager(BlockPool(runner.num_blocks, engine_config.block_size, engine_config.enable_prefix_caching))
     dist = DraftDistribution.for_runner(runner, config.target_vocab_size, config.num_usable_tokens)
-    return DraftEngine(runner, kv, dist, spec.num_speculative_tokens, spec.saguaro_c, engine.seed, spec.lookup,
+    return DraftEngine(runner, kv, dist, spec.num_speculative_tokens, spec.saguaro_c, engine_config.seed, spec.lookup,
                        pad_filler=spec.filler_padding is FillerPadding.REPEAT)
 
 
