@@ -30,6 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from ssd.cpu_features import cpu_flags  # noqa: E402
+from ssd.models.block_quant import BlockKind, BlockQuantProduct  # noqa: E402
 from ssd.models.packed_fp16 import PackedFp16Product  # noqa: E402
 from ssd.models.packed_int8 import PackedInt8Product  # noqa: E402
 from ssd.models.rowwise_int8 import RowwiseInt8Product, activation_levels  # noqa: E402
@@ -68,6 +69,8 @@ FORMATS = {
     "fp16-packed": lambda w: PackedFp16Product(w),
     "int8-packed (per-call activation scale)": lambda w: PackedInt8Product(w),
     "w8a8 (per-row activation scale)": lambda w: RowwiseInt8Product(w),
+    "q8_0 (blocks of 32, activations too)": lambda w: BlockQuantProduct(w, BlockKind.Q8_0),
+    "q4_0 (blocks of 32, activations in q8_0)": lambda w: BlockQuantProduct(w, BlockKind.Q4_0),
 }
 
 

@@ -16,7 +16,7 @@ import torch
 
 from ssd.distributed.comm import DistributedInit, TensorParallelGroup
 from ssd.distributed.commands import ForwardCommand, ShutdownCommand
-from ssd.options import Process, WeightFormat, options_for
+from ssd.options import ACTIVATION_QUANTIZED_FORMATS, Process, WeightFormat, options_for
 
 if TYPE_CHECKING:
     from ssd.config import EngineConfig
@@ -84,7 +84,7 @@ def build_runner(
         graphs=graphs,
         weight_format=args.weight_format,
         # a target with per-row quantized activations must see a token the same in every kind of step
-        row_invariant_attention=args.weight_format == WeightFormat.W8A8,
+        row_invariant_attention=args.weight_format in ACTIVATION_QUANTIZED_FORMATS,
         fused_kernels=args.fused_kernels,
     )
 

@@ -10,19 +10,18 @@ combined pairwise, the scores of the visible keys in key order (masked keys are 
 then the softmax and the weighted sum of values in key order. The result for a token is therefore bitwise the
 same in a decode step, a verification, a prefill chunk or any batch, at any thread count.
 
-The C++ source is compiled once per machine on first use (``torch.utils.cpp_extension``; a C++ compiler and
-ninja are needed) and cached by PyTorch; :func:`available` says whether that worked.
+The C++ source is compiled once per machine on first use (``ssd/models/native.py``; a C++ compiler and ninja
+are needed); :func:`available` says whether that worked.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 
 import torch
 
-from ssd.cpu_features import cpu_flags
+from ssd.models.native import load_inline_source
 
 logger = logging.getLogger(__name__)
 
@@ -122,19 +121,7 @@ torch::Tensor row_attention(torch::Tensor query, torch::Tensor key_cache, torch:
 
 @functools.cache
 def _module():
-    from torch.utils.cpp_extension import load_inline
-
-    # Compiled for this CPU (-march=native: the fixed 16-lane sums become vector instructions); the name
-    # carries the CPU's flags so a cache shared between machines never loads a binary built for another CPU.
-    # Every mode on one machine runs the same binary, which is what invariance needs.
-    signature = hashlib.sha1(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:10]
-    return load_inline(
-        name=f"ssd_row_attention_{signature}",
-        cpp_sources=_SOURCE,
-        functions=["row_attention"],
-        extra_cflags=["-O3", "-march=native"],
-        verbose=False,
-    )
+    return load_inline_source("ssd_row_attention", _SOURCE, ["row_attention"])
 
 
 @functools.cache

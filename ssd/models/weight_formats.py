@@ -15,6 +15,11 @@ Formats (``weight_format`` for the target, ``draft_weight_format`` for the draft
   quantized per row, for every projection and the LM head (``ssd/models/rowwise_int8.py``); batch-invariant
   products, close to flat in the row count up to ~8 rows. A w8a8 target also needs the row-invariant attention
   kernel (compiled on first use; its runner refuses to start where it cannot be) and is a quantized model;
+- ``"q8_0"`` / ``"q4_0"``: targets and drafts, CPU and ``float32`` models (no FBGEMM needed: a C++ kernel,
+  compiled on first use): GGUF's blocks of 32 int8 / 4-bit weights with one float16 scale, times activations
+  quantized to int8 in blocks of 32 per row (``ssd/models/block_quant.py``); ``"q4_0"`` keeps the LM head in
+  ``"q8_0"``. Batch-invariant; a target in them computes attention with the row-invariant kernel and is a
+  quantized model, like ``"w8a8"``;
 - ``"auto"`` (both defaults): for a target, ``"fp16-packed"`` where it applies, else ``"dense"``; it applies
   only when ``dtype="auto"`` chose float32 (on any CPU with FBGEMM: float16 weights in this GEMM are the
   fastest precision for few-row products there, see ``ssd/dtypes.py``, and finer than bfloat16); an explicit
@@ -28,13 +33,18 @@ All modes of an engine use the same target, so speculative outputs still equal i
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from ssd.models import block_quant
+from ssd.models.block_quant import BlockKind, BlockQuantProduct
 from ssd.models.packed_fp16 import PackedFp16Product
 from ssd.models.packed_int8 import PackedInt8Product
 from ssd.models.rowwise_int8 import RowwiseInt8Product, has_vnni
-from ssd.options import PACKED_WEIGHT_FORMATS, TARGET_WEIGHT_FORMATS, Dtype, WeightFormat
+from ssd.options import BLOCK_WEIGHT_FORMATS, PACKED_WEIGHT_FORMATS, TARGET_WEIGHT_FORMATS, Dtype, WeightFormat
 
 # Projections that "int8-packed" keeps in float16 (as well as the LM head): the MLP's down projection reads the
 # gated activation, whose few large channels would coarsen the per-tensor 8-bit input of every row (with
@@ -59,7 +69,16 @@ def resolve_weight_format(
         raise ValueError(f"weight format {weight_format!r} is not supported; choose one of "
                          f"{[f.value for f in allowed]}")
     weight_format = WeightFormat(weight_format)
-    applies = str(device).startswith("cpu") and dtype == Dtype.FLOAT32 and fbgemm_available()
+    on_cpu = str(device).startswith("cpu") and dtype == Dtype.FLOAT32
+    applies = on_cpu and fbgemm_available()
+    if weight_format in BLOCK_WEIGHT_FORMATS:
+        if not on_cpu:
+            raise ValueError(f"weight format {weight_format.value!r} needs a CPU device and dtype float32; got "
+                             f"device {device!r}, dtype {dtype!r}")
+        if not block_quant.available():
+            raise ValueError(f"weight format {weight_format.value!r} needs its C++ kernel, which could not be "
+                             "compiled here (a C++ compiler and ninja are needed; the log says why)")
+        return weight_format
     if weight_format is WeightFormat.AUTO:
         if draft and applies and has_vnni():
             return WeightFormat.W8A8
@@ -90,10 +109,13 @@ def pack_weights(model: nn.Module, weight_format: WeightFormat) -> int:
     return count + 1
 
 
-def _product(weight_format: WeightFormat, name: str) -> type:
-    """The packed product class a matrix named ``name`` gets in ``weight_format``."""
+def _product(weight_format: WeightFormat, name: str) -> Callable[[torch.Tensor], Callable]:
+    """The packed product (a callable of the float weight) a matrix named ``name`` gets in ``weight_format``."""
     if weight_format == WeightFormat.W8A8:
         return RowwiseInt8Product
+    if weight_format in BLOCK_WEIGHT_FORMATS:
+        kind = BlockKind.Q4_0 if weight_format == WeightFormat.Q4_0 and name != "lm_head" else BlockKind.Q8_0
+        return functools.partial(BlockQuantProduct, kind=kind)
     if weight_format == WeightFormat.INT8_PACKED and not name.endswith(INT8_EXEMPT + ("lm_head",)):
         return PackedInt8Product
     return PackedFp16Product

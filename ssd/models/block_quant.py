@@ -1,0 +1,186 @@
+"""Weight formats ``"q8_0"`` and ``"q4_0"``: weights in blocks of 32 sharing one float16 scale, multiplied by
+activations quantized to int8 in blocks of 32 per row; integer products, float32 out (CPU, C++ kernel).
+
+The blocks are GGUF's: ``q8_0`` holds int8 values (``w = d * q``), ``q4_0`` 4-bit values (``w = d * (q - 8)``,
+``q`` in 0..15, the scale ``d`` chosen so that the block's largest magnitude maps to -8), so a GGUF file's
+Q8_0 / Q4_0 tensors are used as stored, and a float checkpoint is quantized at load the way llama.cpp's
+converter does. Activations are quantized per block of 32 (``s = max|x| / 127``), as llama.cpp's CPU kernels do
+for these formats: finer than one scale per row (``"w8a8"``), so outlier channels cost less precision.
+
+Why a kernel of our own: a decode step, a verification (K + 1 rows) or an SSD tree step (a row per branch)
+multiplies a few rows by every weight, so on CPU it should cost what reading the weights costs. PyTorch's
+int8 / int4 weight-only CPU kernels cost by rows (~2.3-2.9x at 5 rows on Zen 4) and llama.cpp's do too (~3.8x
+at 5 rows for Q4_K_M). This kernel reads each chunk of a tile of output channels once, unpacks it into L1 and
+multiplies it by every row there with AVX-512 VNNI (``csrc/block_quant.cpp``); ``bench/cpu_products.py``
+measures it against the others on the machine at hand.
+
+Batch invariance: a row's activations are quantized from that row alone and its outputs are computed by one
+fixed sequence of operations (exact int32 lane sums per 64 elements, one float fused multiply-add per lane, a
+fixed pairwise combination), so its result is bitwise the same whatever rows share the call. The portable C++
+path (CPUs without AVX-512 VNNI) performs the same operations and gives the same bits. A model in these
+formats is a quantized model: exact in every mode relative to itself; as a target it computes attention with
+the row-invariant kernel, like ``"w8a8"``.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+
+import torch
+
+from ssd.models.native import load_source_file
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 32  # weights sharing one scale
+CHUNK = 64  # the kernel's step along the input: two blocks (inputs are padded to it)
+TILE_N = 4  # output channels the kernel takes together (outputs are padded to it)
+
+
+class BlockKind(enum.Enum):
+    """GGUF block types with a kernel here."""
+
+    Q8_0 = "q8_0"
+    Q4_0 = "q4_0"
+
+    @property
+    def bits(self) -> int:
+        return 8 if self is BlockKind.Q8_0 else 4
+
+
+@functools.cache
+def _module():
+    return load_source_file("ssd_block_quant", "block_quant.cpp")
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel compiled (or was found compiled) on this machine; logs why not."""
+    try:
+        _module()
+        return True
+    except Exception as exc:  # no compiler, no ninja, headers missing: say so once
+        logger.warning("block-quantized product kernel unavailable: %s", exc)
+        return False
+
+
+def vectorized() -> bool:
+    """Whether the kernel runs its AVX-512 VNNI path here (else the portable one, same results)."""
+    return bool(_module().vectorized())
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def quantize_blocks(weight: torch.Tensor, kind: BlockKind) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [out, in] as (values [out, in_p] int8 (q8_0: q; q4_0: q - 8), scales [out, in_p / 32] float16),
+    with ``in_p`` the input padded to 64 with zero weights (scale 0)."""
+    out_features, in_features = weight.shape
+    w = torch.zeros(out_features, _round_up(in_features, CHUNK), dtype=torch.float32)
+    w[:, :in_features] = weight.detach().float()
+    blocks = w.view(out_features, -1, BLOCK)  # [out, in_p / 32, 32]
+    if kind is BlockKind.Q8_0:
+        scale = (blocks.abs().amax(dim=-1) / 127.0).half()
+        low, high = -127, 127
+    else:  # the signed value of largest magnitude maps to -8, as llama.cpp's quantize_row_q4_0 does
+        extreme = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+        scale = (extreme / -8.0).half()
+        low, high = -8, 7
+    step = scale.float().unsqueeze(-1)  # [out, in_p / 32, 1]
+    inverse = torch.where(step != 0, 1.0 / step, torch.zeros_like(step))
+    values = torch.round(blocks * inverse).clamp(low, high).to(torch.int8)
+    return values.view(out_features, -1), scale
+
+
+def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Float32 weights [out, in_p] of (values, scales) as :func:`quantize_blocks` returns them."""
+    out_features = values.shape[0]
+    return (values.view(out_features, -1, BLOCK).float() * scales.float().unsqueeze(-1)).view(out_features, -1)
+
+
+def blocks_from_gguf(raw: torch.Tensor, kind: BlockKind, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GGUF Q8_0 / Q4_0 tensor's bytes ``raw`` [out, in / 32 * block bytes] uint8 as :func:`quantize_blocks`
+    returns blocks (values [out, in_p] int8, scales [out, in_p / 32] float16), bit for bit: a Q8_0 block is a
+    float16 scale and 32 int8 values; a Q4_0 block a float16 scale and 16 bytes, byte j holding value j (low
+    nibble) and value j + 16 (high nibble), each ``q`` in 0..15 meaning ``q - 8``."""
+    if in_features % BLOCK:
+        raise ValueError(f"a {kind.value} tensor's rows must hold whole blocks of {BLOCK}; got {in_features}")
+    out_features, blocks = raw.shape[0], in_features // BLOCK
+    block_bytes = 2 + BLOCK * kind.bits // 8
+    if raw.dtype != torch.uint8 or raw.shape[1] != blocks * block_bytes:
+        raise ValueError(f"{kind.value} rows of {in_features} values take {blocks * block_bytes} bytes; got "
+                         f"{raw.dtype} {tuple(raw.shape)}")
+    cells = raw.contiguous().view(out_features, blocks, block_bytes)
+    scale = cells[..., :2].contiguous().view(torch.float16).view(out_features, blocks)
+    if kind is BlockKind.Q8_0:
+        q = cells[..., 2:].contiguous().view(torch.int8)
+    else:
+        packed = cells[..., 2:]
+        q = (torch.cat([packed & 0x0F, packed >> 4], dim=-1).to(torch.int16) - 8).to(torch.int8)
+    values = torch.zeros(out_features, _round_up(in_features, CHUNK), dtype=torch.int8)
+    values[:, :in_features] = q.reshape(out_features, in_features)
+    scales = torch.zeros(out_features, values.shape[1] // BLOCK, dtype=torch.float16)
+    scales[:, :blocks] = scale
+    return values, scales
+
+
+def _kernel_layout(values: torch.Tensor, scales: torch.Tensor, kind: BlockKind) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, scales) padded to a multiple of 4 channels, q4_0 values as nibbles: byte j of each 32-byte chunk
+    holds input 64c + j (low nibble) and 64c + 32 + j (high nibble), stored as q in 0..15."""
+    out_features, in_p = values.shape
+    rows = _round_up(out_features, TILE_N)
+    padded = torch.zeros(rows, in_p, dtype=torch.int8)
+    padded[:out_features] = values
+    padded_scales = torch.zeros(rows, in_p // BLOCK, dtype=torch.float16)
+    padded_scales[:out_features] = scales
+    if kind is BlockKind.Q8_0:
+        return padded.contiguous(), padded_scales.contiguous()
+    nibbles = (padded.to(torch.int16) + 8).to(torch.uint8).view(rows, -1, 2, BLOCK)  # [rows, chunks, 2, 32]
+    packed = nibbles[:, :, 0, :] | (nibbles[:, :, 1, :] << 4)
+    return packed.reshape(rows, in_p // 2).contiguous(), padded_scales.contiguous()
+
+
+class BlockQuantProduct:
+    """``x @ W.T (+ bias)`` with ``W`` held in blocks (:class:`BlockKind`); ``x`` and the result are float32.
+    Called like ``F.linear(x, weight, bias)``; ``weight`` is ignored (the quantized copy is used)."""
+
+    def __init__(self, weight: torch.Tensor, kind: BlockKind = BlockKind.Q4_0) -> None:
+        if weight.dim() != 2 or weight.device.type != "cpu":
+            raise ValueError(f"a quantized weight must be a 2-D CPU tensor, got {tuple(weight.shape)} on {weight.device}")
+        values, scales = quantize_blocks(weight, kind)
+        self._init(values, scales, kind, weight.shape[1])
+
+    @classmethod
+    def from_blocks(cls, values: torch.Tensor, scales: torch.Tensor, kind: BlockKind,
+                    in_features: int) -> "BlockQuantProduct":
+        """A product over blocks already quantized (GGUF tensors kept as stored): ``values`` [out, in_p] int8
+        (q4_0: q - 8), ``scales`` [out, in_p / 32] float16, ``in_p`` a multiple of 64."""
+        if values.dtype != torch.int8 or scales.dtype != torch.float16 or values.shape[1] % CHUNK:
+            raise ValueError(f"blocks must be int8 values padded to {CHUNK} inputs and float16 scales; got "
+                             f"{values.dtype} {tuple(values.shape)}, {scales.dtype} {tuple(scales.shape)}")
+        product = cls.__new__(cls)
+        product._init(values, scales, kind, in_features)
+        return product
+
+    def _init(self, values: torch.Tensor, scales: torch.Tensor, kind: BlockKind, in_features: int) -> None:
+        self.kind = kind
+        self.in_features = in_features
+        self.out_features = values.shape[0]
+        self.values, self.scales = _kernel_layout(values, scales, kind)
+        self.module = _module()  # compiled once, before the first product
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the product holds (values and scales, with padding)."""
+        return self.values.numel() * self.values.element_size() + self.scales.numel() * 2
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 portable: bool = False) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        out = self.module.block_quant_linear(rows, self.values, self.scales, self.kind is BlockKind.Q4_0,
+                                             self.out_features, portable)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if bias is None else out + bias

@@ -1,0 +1,39 @@
+"""Small C++ kernels compiled for the CPU at hand on first use (``torch.utils.cpp_extension``; a C++ compiler
+and ninja are needed) and cached by PyTorch between processes.
+
+Each kernel is built with ``-march=native`` so that its fixed-order loops become the vector instructions of
+this CPU, and with ``-ffp-contract=off`` so that the compiler never fuses a multiply and an add the source
+wrote apart (a fused and an unfused path would round differently). The module name carries a hash of the
+CPU's flags, so a cache shared between machines never loads a binary built for another CPU; every mode of an
+engine on one machine runs the same binary, which is what batch invariance needs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from ssd.cpu_features import cpu_flags
+
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
+
+
+def native_name(stem: str) -> str:
+    """``stem`` plus a short hash of this CPU's feature flags."""
+    return f"{stem}_{hashlib.sha1(' '.join(sorted(cpu_flags())).encode()).hexdigest()[:10]}"
+
+
+def load_source_file(stem: str, filename: str):
+    """The extension compiled from ``csrc/filename`` (raises where no compiler or ninja is available)."""
+    from torch.utils.cpp_extension import load
+
+    return load(name=native_name(stem), sources=[str(SOURCE_DIR / filename)], extra_cflags=CFLAGS, verbose=False)
+
+
+def load_inline_source(stem: str, source: str, functions: list[str]):
+    """The extension compiled from the C++ text ``source`` exposing ``functions``."""
+    from torch.utils.cpp_extension import load_inline
+
+    return load_inline(name=native_name(stem), cpp_sources=source, functions=functions, extra_cflags=CFLAGS,
+                       verbose=False)

@@ -1,0 +1,181 @@
+"""Block-quantized products (weight formats q8_0 / q4_0, ssd/models/block_quant.py and its C++ kernel): against
+a float64 reference, bitwise batch invariance, the portable path against the vector one, quantization round
+trips, GGUF blocks read bit for bit against the gguf package's own dequantization, and models in these formats
+decoding the same tokens in every mode."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from ssd import LLM, SamplingParams
+from ssd.executor.row_attention import available as row_attention_available
+from ssd.models import block_quant
+from ssd.models.block_quant import (
+    BlockKind,
+    BlockQuantProduct,
+    blocks_from_gguf,
+    dequantize_blocks,
+    quantize_blocks,
+)
+from ssd.models.loader import load_model
+from ssd.models.weight_formats import pack_weights, resolve_weight_format
+from ssd.options import WeightFormat
+from ssd_utils import make_perturbed_draft
+
+pytestmark = pytest.mark.skipif(not block_quant.available(), reason="the block-quantized kernel could not be compiled")
+
+KINDS = list(BlockKind)
+GGUF_TYPES = {BlockKind.Q8_0: gguf.GGMLQuantizationType.Q8_0, BlockKind.Q4_0: gguf.GGMLQuantizationType.Q4_0}
+
+
+def _activations(x: torch.Tensor) -> torch.Tensor:
+    """Float64 activations as the kernel quantizes them: per row, per block of 32, ``round(x / s) * s``."""
+    rows, k = x.shape
+    padded = torch.zeros(rows, -(-k // 64) * 64, dtype=torch.float64)
+    padded[:, :k] = x.double()
+    blocks = padded.view(rows, -1, 32)
+    scale = (blocks.abs().amax(dim=-1, keepdim=True).float() / 127.0).double()
+    q = torch.where(scale > 0, torch.round((blocks.float() * torch.where(scale > 0, 1 / scale.float(), 0)).double()), 0)
+    return (q * scale).view(rows, -1)[:, :k]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("out_features", "in_features"), [(5, 32), (24, 96), (70, 200), (64, 576)])
+def test_matches_a_float64_reference(kind, out_features, in_features):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    x = torch.randn(9, in_features, generator=gen)
+    product = BlockQuantProduct(weight, kind)
+    values, scales = quantize_blocks(weight, kind)
+    exact = _activations(x) @ dequantize_blocks(values, scales)[:, :in_features].double().T
+    out = product(x)
+    assert out.shape == (9, out_features) and out.dtype == torch.float32
+    # The only rounding left is float32 accumulation (and activation rounding ties): ~1e-6 of the magnitude.
+    torch.testing.assert_close(out.double(), exact, rtol=1e-4, atol=1e-4 * exact.abs().max().item())
+    # Against the float product, the quantization error itself: ~1% (8-bit) and ~10% (4-bit) of its norm.
+    full = x.double() @ weight.double().T
+    assert (out.double() - full).norm() / full.norm() < (0.02 if kind is BlockKind.Q8_0 else 0.15)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_row_gets_the_same_bits_alone_and_beside_any_companions(kind):
+    gen = torch.Generator().manual_seed(1)
+    product = BlockQuantProduct(torch.randn(36, 160, generator=gen), kind)
+    row = torch.randn(1, 160, generator=gen)
+    alone = product(row)
+    for companions in range(1, 32):
+        others = torch.randn(companions, 160, generator=gen) * (companions % 5 + 0.5)
+        for position in {0, companions // 2, companions}:
+            batch = torch.cat([others[:position], row, others[position:]])
+            assert torch.equal(product(batch)[position], alone[0]), (companions, position)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17])
+def test_the_portable_path_gives_the_vector_paths_bits(kind, rows):
+    gen = torch.Generator().manual_seed(2)
+    product = BlockQuantProduct(torch.randn(44, 300, generator=gen), kind)
+    x = torch.randn(rows, 300, generator=gen)
+    assert torch.equal(product(x), product(x, portable=True))
+
+
+def test_threads_do_not_change_the_bits():
+    gen = torch.Generator().manual_seed(3)
+    product = BlockQuantProduct(torch.randn(200, 128, generator=gen), BlockKind.Q4_0)
+    x = torch.randn(6, 128, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = product(x)
+        torch.set_num_threads(2)
+        two = product(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantization_round_trip(kind):
+    weight = torch.randn(16, 96, generator=torch.Generator().manual_seed(4))
+    weight[3] = 0.0  # a block of zeros: scale 0, values 0
+    values, scales = quantize_blocks(weight, kind)
+    assert values.shape == (16, 128) and scales.shape == (16, 4) and scales.dtype == torch.float16
+    assert int(values.min()) >= (-127 if kind is BlockKind.Q8_0 else -8)
+    assert int(values.max()) <= (127 if kind is BlockKind.Q8_0 else 7)
+    assert not values[:, 96:].any() and not scales[:, 3:].any() and not values[3].any()
+    back = dequantize_blocks(values, scales)[:, :96]
+    step = scales[:, :3].float().abs().repeat_interleave(32, dim=1)
+    # Half a step (and the float16 scale's rounding); q4_0's range -8..7 is one-sided, so a value at the far end
+    # from the block's extreme (mapped to -8) may clamp at 7: a full step there.
+    bound = step * (0.5 if kind is BlockKind.Q8_0 else 1.0) + 1e-3 * weight.abs()
+    assert ((back - weight).abs() <= bound).all()
+    again = quantize_blocks(back, kind)
+    assert torch.equal(dequantize_blocks(*again)[:, :96], back)  # dequantized weights are a fixed point
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("in_features", [64, 96, 576])
+def test_gguf_blocks_are_read_bit_for_bit(kind, in_features):
+    weight = np.random.default_rng(5).standard_normal((12, in_features)).astype(np.float32)
+    raw = quants.quantize(weight, GGUF_TYPES[kind])  # the gguf package's own quantization
+    reference = quants.dequantize(raw, GGUF_TYPES[kind])
+    values, scales = blocks_from_gguf(torch.from_numpy(raw), kind, in_features)
+    assert torch.equal(dequantize_blocks(values, scales)[:, :in_features], torch.from_numpy(reference))
+    product = BlockQuantProduct.from_blocks(values, scales, kind, in_features)
+    x = torch.randn(3, in_features)
+    torch.testing.assert_close(product(x).double(), _activations(x) @ torch.from_numpy(reference).double().T,
+                               rtol=1e-4, atol=1e-3)
+
+
+def test_clear_errors():
+    with pytest.raises(ValueError, match="2-D CPU tensor"):
+        BlockQuantProduct(torch.zeros(2, 3, 4))
+    with pytest.raises(ValueError, match="whole blocks"):
+        blocks_from_gguf(torch.zeros(2, 34, dtype=torch.uint8), BlockKind.Q8_0, 40)
+    with pytest.raises(ValueError, match="take 34 bytes"):
+        blocks_from_gguf(torch.zeros(2, 18, dtype=torch.uint8), BlockKind.Q8_0, 32)
+    with pytest.raises(ValueError, match="CPU device"):
+        resolve_weight_format("q4_0", "cuda", "float16")
+
+
+def test_pack_weights_holds_a_q4_0_model_in_under_40_percent_of_its_float16_bytes(checkpoint_factory):
+    model, _ = load_model(checkpoint_factory("llama"), dtype=torch.float32)
+    float16_bytes = 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    float16_bytes += 2 * model.head_weight.numel()
+    pack_weights(model, WeightFormat.Q4_0)
+    products = [m.matmul for m in model.modules() if isinstance(m, torch.nn.Linear) and hasattr(m, "matmul")]
+    assert {p.kind for p in products} == {BlockKind.Q4_0} and model.head_matmul.kind is BlockKind.Q8_0
+    # Projections in 4.5 bits per weight (and padding); the head, in 8.5, is the largest matrix of this tiny
+    # model, so count the projections alone for the 40% bound the format is for.
+    projection_float16 = float16_bytes - 2 * model.head_weight.numel()
+    assert sum(p.nbytes for p in products) < 0.4 * projection_float16
+
+
+PROMPTS = [[(7 * i + 3 * j) % 200 + 5 for j in range(4 + 3 * i)] for i in range(5)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+ENGINE = dict(dtype="float32", kv_cache_memory="16MiB", max_model_len=128, block_size=8, seed=0)
+
+
+@pytest.mark.skipif(not row_attention_available(), reason="the row-invariant attention kernel could not be compiled")
+@pytest.mark.parametrize(("target_format", "draft_format"), [("q4_0", "q8_0"), ("q8_0", "q4_0")])
+def test_every_mode_and_batch_shape_of_a_block_quantized_target_decodes_the_same(
+        checkpoint_factory, tmp_path, target_format, draft_format):
+    target = str(checkpoint_factory("llama"))
+    draft = str(make_perturbed_draft(target, tmp_path / "draft", 0.02))
+    with LLM(target, weight_format=target_format, **ENGINE) as ar:
+        assert ar.engine.runner.row_invariant_attention
+        expected = [o.token_ids for o in ar.generate(PROMPTS, GREEDY)]
+        assert [ar.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == expected
+    for spec in ({"method": "draft_model", "num_speculative_tokens": 3},
+                 {"method": "ssd", "num_speculative_tokens": 3, "fallback": "jit"},
+                 {"method": "ngram", "num_speculative_tokens": 2}):
+        config = {**spec, **({} if spec["method"] == "ngram" else {"model": draft,
+                                                                  "draft_weight_format": draft_format})}
+        with LLM(target, weight_format=target_format, speculative_config=config, **ENGINE) as llm:
+            assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected, spec["method"]
+            if spec["method"] != "ngram":
+                assert llm.stats.num_accepted_tokens > 0
