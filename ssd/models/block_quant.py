@@ -128,19 +128,22 @@ def blocks_from_gguf(raw: torch.Tensor, kind: BlockKind, in_features: int) -> tu
 
 
 def _kernel_layout(values: torch.Tensor, scales: torch.Tensor, kind: BlockKind) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, scales) padded to a multiple of 4 channels, q4_0 values as nibbles: byte j of each 32-byte chunk
-    holds input 64c + j (low nibble) and 64c + 32 + j (high nibble), stored as q in 0..15."""
+    """(values, scales) as the kernel reads them: padded to a multiple of 4 channels and stored tile-major
+    (``[tile of 4 channels][64-input chunk][channel][chunk bytes]``, so a tile's pass over the input is one
+    sequential stream); q4_0 values as nibbles, byte j of a channel's 32-byte chunk holding input 64c + j (low
+    nibble) and 64c + 32 + j (high nibble) as q in 0..15. Shapes stay [channels, bytes per channel]."""
     out_features, in_p = values.shape
-    rows = _round_up(out_features, TILE_N)
+    rows, chunks = _round_up(out_features, TILE_N), in_p // CHUNK
     padded = torch.zeros(rows, in_p, dtype=torch.int8)
     padded[:out_features] = values
     padded_scales = torch.zeros(rows, in_p // BLOCK, dtype=torch.float16)
     padded_scales[:out_features] = scales
-    if kind is BlockKind.Q8_0:
-        return padded.contiguous(), padded_scales.contiguous()
-    nibbles = (padded.to(torch.int16) + 8).to(torch.uint8).view(rows, -1, 2, BLOCK)  # [rows, chunks, 2, 32]
-    packed = nibbles[:, :, 0, :] | (nibbles[:, :, 1, :] << 4)
-    return packed.reshape(rows, in_p // 2).contiguous(), padded_scales.contiguous()
+    if kind is BlockKind.Q4_0:
+        nibbles = (padded.to(torch.int16) + 8).to(torch.uint8).view(rows, chunks, 2, BLOCK)
+        padded = nibbles[:, :, 0, :] | (nibbles[:, :, 1, :] << 4)  # [rows, chunks, 32]
+    tile_major = padded.reshape(rows // TILE_N, TILE_N, chunks, -1).transpose(1, 2).contiguous()
+    scales_tile_major = padded_scales.view(rows // TILE_N, TILE_N, chunks, 2).transpose(1, 2).contiguous()
+    return tile_major.view(rows, -1), scales_tile_major.view(rows, -1)
 
 
 class BlockQuantProduct:

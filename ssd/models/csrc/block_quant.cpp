@@ -32,6 +32,15 @@ constexpr int64_t LANES = 16;     // int32 lane sums per chunk
 constexpr int64_t TILE_N = 4;     // output channels sharing one pass over the rows (weights padded to it)
 constexpr int64_t TILE_R = 4;     // up to this many rows keep their accumulators in registers
 
+// Weights are stored tile-major, so that a tile's pass over the input reads one sequential stream:
+// [tile][chunk][channel of the tile][chunk bytes: 32 (q4) or 64 (q8)], scales [tile][chunk][channel][2].
+inline const uint8_t* chunk_values(const uint8_t* qs, bool q4, int64_t chunks, int64_t tile, int64_t c, int64_t n) {
+  return qs + ((tile * chunks + c) * TILE_N + n) * (q4 ? CHUNK / 2 : CHUNK);
+}
+inline const at::Half* chunk_scales(const at::Half* d, int64_t chunks, int64_t tile, int64_t c, int64_t n) {
+  return d + ((tile * chunks + c) * TILE_N + n) * 2;
+}
+
 // Accumulators of one tile of channels: [row][TILE_N][LANES] floats.
 inline float* row_acc(float* acc, int64_t r, int64_t n) { return acc + (r * TILE_N + n) * LANES; }
 
@@ -43,23 +52,23 @@ struct Prepared {
   float d[LANES];
 };
 
-void prepare_scalar(const uint8_t* qs, const at::Half* d, bool q4, int64_t kp, int64_t n, int64_t c,
-                    Prepared& p) {
+void prepare_scalar(const uint8_t* qs, const at::Half* d, bool q4, int64_t chunks, int64_t tile, int64_t c,
+                    int64_t n, Prepared& p) {
+  const uint8_t* src = chunk_values(qs, q4, chunks, tile, c, n);
   if (q4) {
-    const uint8_t* src = qs + n * (kp / 2) + c * (CHUNK / 2);
     for (int64_t j = 0; j < CHUNK / 2; ++j) {
       p.w[j] = static_cast<int8_t>((src[j] & 0x0F) - 8);
       p.w[j + CHUNK / 2] = static_cast<int8_t>((src[j] >> 4) - 8);
     }
   } else {
-    std::memcpy(p.w, qs + n * kp + c * CHUNK, CHUNK);
+    std::memcpy(p.w, src, CHUNK);
   }
   for (int64_t l = 0; l < LANES; ++l) {
     int32_t sum = 0;
     for (int64_t k = 0; k < 4; ++k) sum += p.w[4 * l + k];
     p.neg_corr[l] = -128 * sum;
   }
-  const at::Half* dn = d + n * (kp / BLOCK) + 2 * c;
+  const at::Half* dn = chunk_scales(d, chunks, tile, c, n);
   for (int64_t l = 0; l < LANES; ++l) p.d[l] = static_cast<float>(dn[l / 8]);
 }
 
@@ -69,7 +78,7 @@ void tile_portable(const uint8_t* qs, const at::Half* d, bool q4, int64_t kp, in
   Prepared p;
   for (int64_t c = 0; c < chunks; ++c) {
     for (int64_t n = 0; n < TILE_N; ++n) {
-      prepare_scalar(qs, d, q4, kp, tile * TILE_N + n, c, p);
+      prepare_scalar(qs, d, q4, chunks, tile, c, n, p);
       for (int64_t r = 0; r < m; ++r) {
         const uint8_t* av = act + r * kp + c * CHUNK;
         const float* sv = lane_scales + (r * chunks + c) * LANES;
@@ -90,21 +99,26 @@ struct Chunk {  // Prepared, in registers
   __m512 d;
 };
 
-inline Chunk chunk_vector(const uint8_t* qs, const at::Half* d, bool q4, int64_t kp, int64_t n, int64_t c) {
+constexpr int64_t PREFETCH_CHUNKS = 8;  // how far ahead of the pass the tile's stream is fetched
+
+inline Chunk chunk_vector(const uint8_t* qs, const at::Half* d, bool q4, int64_t chunks, int64_t tile, int64_t c,
+                          int64_t n) {
   Chunk k;
+  const uint8_t* src = chunk_values(qs, q4, chunks, tile, c, n);
+  _mm_prefetch(reinterpret_cast<const char*>(src + PREFETCH_CHUNKS * TILE_N * (q4 ? CHUNK / 2 : CHUNK)), _MM_HINT_T0);
   if (q4) {
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + n * (kp / 2) + c * (CHUNK / 2)));
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
     const __m256i mask = _mm256_set1_epi8(0x0F);
     const __m256i lo = _mm256_and_si256(x, mask);
     const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), mask);
     k.w = _mm512_sub_epi8(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi8(8));
   } else {
-    k.w = _mm512_loadu_si512(qs + n * kp + c * CHUNK);
+    k.w = _mm512_loadu_si512(src);
   }
   const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(static_cast<char>(0x80)), k.w);
   k.neg_corr = _mm512_sub_epi32(_mm512_setzero_si512(), sum);
   int32_t pair;
-  std::memcpy(&pair, d + n * (kp / BLOCK) + 2 * c, sizeof(pair));
+  std::memcpy(&pair, chunk_scales(d, chunks, tile, c, n), sizeof(pair));
   const __m128 both = _mm_cvtph_ps(_mm_cvtsi32_si128(pair));
   const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   k.d = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(both));
@@ -128,7 +142,7 @@ void tile_registers(const uint8_t* qs, const at::Half* d, bool q4, int64_t kp, i
     for (int r = 0; r < R; ++r) sums[n][r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunks; ++c) {
     Chunk k[TILE_N];
-    for (int n = 0; n < TILE_N; ++n) k[n] = chunk_vector(qs, d, q4, kp, tile * TILE_N + n, c);
+    for (int n = 0; n < TILE_N; ++n) k[n] = chunk_vector(qs, d, q4, chunks, tile, c, n);
     for (int r = 0; r < R; ++r) {
       const __m512i av = _mm512_loadu_si512(act + r * kp + c * CHUNK);
       const __m512 sv = _mm512_loadu_ps(lane_scales + (r * chunks + c) * LANES);
@@ -146,7 +160,7 @@ void tile_streamed(const uint8_t* qs, const at::Half* d, bool q4, int64_t kp, in
   const int64_t chunks = kp / CHUNK;
   for (int64_t c = 0; c < chunks; ++c) {
     Chunk k[TILE_N];
-    for (int n = 0; n < TILE_N; ++n) k[n] = chunk_vector(qs, d, q4, kp, tile * TILE_N + n, c);
+    for (int n = 0; n < TILE_N; ++n) k[n] = chunk_vector(qs, d, q4, chunks, tile, c, n);
     for (int64_t r = 0; r < m; ++r) {
       const __m512i av = _mm512_loadu_si512(act + r * kp + c * CHUNK);
       const __m512 sv = _mm512_loadu_ps(lane_scales + (r * chunks + c) * LANES);
@@ -198,8 +212,8 @@ inline float combine(const float* lanes) {
 
 bool vectorized() { return SSD_BQ_VECTOR != 0; }
 
-// x [m, k] float32; qs [np, kp / 2] uint8 (q4) or [np, kp] int8 (q8); d [np, kp / 32] float16, np a multiple
-// of 4 and kp of 64 (padding: zero scales). Returns [m, n_out] float32. portable: take the portable path
+// x [m, k] float32; qs [np, kp / 2] uint8 (q4) or [np, kp] int8 (q8) and d [np, kp / 32] float16, both in the
+// tile-major order above (shapes as if channel-major), np a multiple of 4 and kp of 64 (padding: zero scales). Returns [m, n_out] float32. portable: take the portable path
 // even where the vector one was compiled (tests compare them).
 torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tensor d, bool q4, int64_t n_out,
                                  bool portable) {
