@@ -148,7 +148,8 @@ def _kernel_layout(values: torch.Tensor, scales: torch.Tensor, kind: BlockKind) 
 
 class BlockQuantProduct:
     """``x @ W.T (+ bias)`` with ``W`` held in blocks (:class:`BlockKind`); ``x`` and the result are float32.
-    Called like ``F.linear(x, weight, bias)``; ``weight`` is ignored (the quantized copy is used)."""
+    Called like ``F.linear(x, weight, bias)``; ``weight`` is ignored (the quantized copy is used);
+    ``portable=True`` takes the kernel's portable path where the vector one exists (same bits; for tests)."""
 
     def __init__(self, weight: torch.Tensor, kind: BlockKind = BlockKind.Q4_0) -> None:
         if weight.dim() != 2 or weight.device.type != "cpu":

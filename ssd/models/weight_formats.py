@@ -39,8 +39,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ssd.models import block_quant
 from ssd.models.block_quant import BlockKind, BlockQuantProduct
+from ssd.models.block_quant import available as block_kernel_available
 from ssd.models.packed_fp16 import PackedFp16Product
 from ssd.models.packed_int8 import PackedInt8Product
 from ssd.models.rowwise_int8 import RowwiseInt8Product, has_vnni
@@ -75,7 +75,7 @@ def resolve_weight_format(
         if not on_cpu:
             raise ValueError(f"weight format {weight_format.value!r} needs a CPU device and dtype float32; got "
                              f"device {device!r}, dtype {dtype!r}")
-        if not block_quant.available():
+        if not block_kernel_available():
             raise ValueError(f"weight format {weight_format.value!r} needs its C++ kernel, which could not be "
                              "compiled here (a C++ compiler and ninja are needed; the log says why)")
         return weight_format
