@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from scipy import stats
 
 from model_utils import PagedSession
+from ssd import LLM
 from ssd.models.loader import load_model
 from ssd.sample.sampler import SamplingTensors, processed_probs
 from ssd.sampling_params import SamplingParams
@@ -116,3 +117,29 @@ def chi_square_gof(samples: list[tuple[int, ...]], exact: ExactJoint, min_expect
     statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
     df = len(observed) - 1
     return ChiSquare(statistic, df, float(stats.chi2.sf(statistic, df)))
+
+
+QUANTIZED_PROMPTS = [[(7 * i + 3 * j) % 200 + 5 for j in range(4 + 3 * i)] for i in range(5)]
+QUANTIZED_GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def assert_every_mode_decodes_like_ar(target: str, draft: str, engine: dict, draft_weight_format: str | None = None,
+                                      ngram_k: int = 3) -> None:
+    """A target with quantized activations (``engine`` names its weight format) runs the row-invariant attention
+    and decodes the same greedy tokens alone, batched, and under SD, SSD (jit fallback) and ngram; the draft
+    (in ``draft_weight_format`` when given) has some of its tokens accepted."""
+    with LLM(target, **engine) as ar:
+        assert ar.engine.runner.row_invariant_attention
+        expected = [o.token_ids for o in ar.generate(QUANTIZED_PROMPTS, QUANTIZED_GREEDY)]
+        assert [ar.generate([p], QUANTIZED_GREEDY)[0].token_ids for p in QUANTIZED_PROMPTS] == expected
+    draft_options = {"model": draft}
+    if draft_weight_format is not None:
+        draft_options["draft_weight_format"] = draft_weight_format
+    for spec in ({"method": "draft_model", "num_speculative_tokens": 3},
+                 {"method": "ssd", "num_speculative_tokens": 3, "fallback": "jit"},
+                 {"method": "ngram", "num_speculative_tokens": ngram_k}):
+        config = {**spec, **({} if spec["method"] == "ngram" else draft_options)}
+        with LLM(target, speculative_config=config, **engine) as llm:
+            assert [o.token_ids for o in llm.generate(QUANTIZED_PROMPTS, QUANTIZED_GREEDY)] == expected, spec["method"]
+            if spec["method"] != "ngram" and draft_weight_format is not None:
+                assert llm.stats.num_accepted_tokens > 0

@@ -11,7 +11,6 @@ import pytest
 import torch
 from gguf import quants
 
-from ssd import LLM, SamplingParams
 from ssd.executor.row_attention import available as row_attention_available
 from ssd.models import block_quant
 from ssd.models.block_quant import (
@@ -24,7 +23,7 @@ from ssd.models.block_quant import (
 from ssd.models.loader import load_model
 from ssd.models.weight_formats import pack_weights, resolve_weight_format
 from ssd.options import WeightFormat
-from ssd_utils import make_perturbed_draft
+from ssd_utils import assert_every_mode_decodes_like_ar, make_perturbed_draft
 
 pytestmark = pytest.mark.skipif(not block_quant.available(), reason="the block-quantized kernel could not be compiled")
 
@@ -155,8 +154,6 @@ def test_pack_weights_holds_a_q4_0_model_in_under_40_percent_of_its_float16_byte
     assert sum(p.nbytes for p in products) < 0.4 * projection_float16
 
 
-PROMPTS = [[(7 * i + 3 * j) % 200 + 5 for j in range(4 + 3 * i)] for i in range(5)]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 ENGINE = dict(dtype="float32", kv_cache_memory="16MiB", max_model_len=128, block_size=8, seed=0)
 
 
@@ -166,16 +163,5 @@ def test_every_mode_and_batch_shape_of_a_block_quantized_target_decodes_the_same
         checkpoint_factory, tmp_path, target_format, draft_format):
     target = str(checkpoint_factory("llama"))
     draft = str(make_perturbed_draft(target, tmp_path / "draft", 0.02))
-    with LLM(target, weight_format=target_format, **ENGINE) as ar:
-        assert ar.engine.runner.row_invariant_attention
-        expected = [o.token_ids for o in ar.generate(PROMPTS, GREEDY)]
-        assert [ar.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == expected
-    for spec in ({"method": "draft_model", "num_speculative_tokens": 3},
-                 {"method": "ssd", "num_speculative_tokens": 3, "fallback": "jit"},
-                 {"method": "ngram", "num_speculative_tokens": 2}):
-        config = {**spec, **({} if spec["method"] == "ngram" else {"model": draft,
-                                                                  "draft_weight_format": draft_format})}
-        with LLM(target, weight_format=target_format, speculative_config=config, **ENGINE) as llm:
-            assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected, spec["method"]
-            if spec["method"] != "ngram":
-                assert llm.stats.num_accepted_tokens > 0
+    assert_every_mode_decodes_like_ar(target, draft, {**ENGINE, "weight_format": target_format}, draft_format,
+                                      ngram_k=2)

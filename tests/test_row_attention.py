@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from ssd import LLM, SamplingParams
 from ssd.executor.attention import KVCache, attend_cached
 from ssd.executor.attention_layout import SequenceLayout, build_attention_metadata
 from ssd.executor.row_attention import available
 from ssd.models import weight_formats
-from ssd_utils import make_perturbed_draft
+from ssd_utils import assert_every_mode_decodes_like_ar, make_perturbed_draft
 
 pytestmark = pytest.mark.skipif(not available(), reason="the row-invariant attention kernel could not be compiled")
 
@@ -112,8 +111,6 @@ def test_a_token_gets_the_same_bits_in_every_kind_of_step():
     assert torch.equal(one, two)
 
 
-PROMPTS = [[(7 * i + 3 * j) % 200 + 5 for j in range(4 + 3 * i)] for i in range(5)]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 ENGINE = dict(dtype="float32", weight_format="w8a8", kv_cache_memory="16MiB", max_model_len=128, block_size=8, seed=0)
 
 
@@ -121,13 +118,4 @@ ENGINE = dict(dtype="float32", weight_format="w8a8", kv_cache_memory="16MiB", ma
 def test_every_mode_and_batch_shape_of_a_w8a8_target_decodes_the_same(checkpoint_factory, tmp_path):
     target = str(checkpoint_factory("llama"))
     draft = str(make_perturbed_draft(target, tmp_path / "draft", 0.02))
-    with LLM(target, **ENGINE) as ar:
-        assert ar.engine.runner.row_invariant_attention
-        expected = [o.token_ids for o in ar.generate(PROMPTS, GREEDY)]
-        assert [ar.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == expected
-    for spec in ({"method": "draft_model", "num_speculative_tokens": 3},
-                 {"method": "ssd", "num_speculative_tokens": 3, "fallback": "jit"},
-                 {"method": "ngram", "num_speculative_tokens": 3}):
-        config = {**spec, **({} if spec["method"] == "ngram" else {"model": draft})}
-        with LLM(target, speculative_config=config, **ENGINE) as llm:
-            assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected, spec["method"]
+    assert_every_mode_decodes_like_ar(target, draft, ENGINE)

@@ -17,13 +17,10 @@ are needed); :func:`available` says whether that worked.
 from __future__ import annotations
 
 import functools
-import logging
 
 import torch
 
-from ssd.models.native import load_inline_source
-
-logger = logging.getLogger(__name__)
+from ssd.models.native import compiles, load_inline_source
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -127,12 +124,7 @@ def _module():
 @functools.cache
 def available() -> bool:
     """Whether the kernel compiled (or was found compiled) on this machine; logs why not."""
-    try:
-        _module()
-        return True
-    except Exception as exc:  # no compiler, no ninja, headers missing: say so once
-        logger.warning("row-invariant attention kernel unavailable: %s", exc)
-        return False
+    return compiles(_module, "row-invariant attention kernel")
 
 
 def row_attention(

@@ -26,13 +26,10 @@ from __future__ import annotations
 
 import enum
 import functools
-import logging
 
 import torch
 
-from ssd.models.native import load_source_file
-
-logger = logging.getLogger(__name__)
+from ssd.models.native import compiles, load_source_file
 
 BLOCK = 32  # weights sharing one scale
 CHUNK = 64  # the kernel's step along the input: two blocks (inputs are padded to it)
@@ -58,12 +55,7 @@ def _module():
 @functools.cache
 def available() -> bool:
     """Whether the kernel compiled (or was found compiled) on this machine; logs why not."""
-    try:
-        _module()
-        return True
-    except Exception as exc:  # no compiler, no ninja, headers missing: say so once
-        logger.warning("block-quantized product kernel unavailable: %s", exc)
-        return False
+    return compiles(_module, "block-quantized product kernel")
 
 
 def vectorized() -> bool:

@@ -11,9 +11,13 @@ engine on one machine runs the same binary, which is what batch invariance needs
 from __future__ import annotations
 
 import hashlib
+import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from ssd.cpu_features import cpu_flags
+
+logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
@@ -37,3 +41,13 @@ def load_inline_source(stem: str, source: str, functions: list[str]):
 
     return load_inline(name=native_name(stem), cpp_sources=source, functions=functions, extra_cflags=CFLAGS,
                        verbose=False)
+
+
+def compiles(load: Callable[[], object], what: str) -> bool:
+    """Whether ``load`` (a kernel's cached loader) compiles or finds its extension here; logs once why not."""
+    try:
+        load()
+        return True
+    except Exception as exc:  # no compiler, no ninja, headers missing: say so
+        logger.warning("%s unavailable: %s", what, exc)
+        return False
