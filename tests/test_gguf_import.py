@@ -539,3 +539,47 @@ def test_smollm2_matches_transformers_gguf_loader(smollm2: dict[str, Path]) -> N
         got = ours(ids).logits  # [1, T, V]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
     assert got[0, -1].argmax() == expected[0, -1].argmax()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Q8_0 / Q4_0 files run kept quantized: the weight formats of the same names reproduce the file's blocks
+# ----------------------------------------------------------------------------------------------------------
+
+PROJECTIONS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+               "up_proj.weight", "down_proj.weight")
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+def test_a_block_quantized_file_runs_its_own_blocks(checkpoint_factory: Callable[..., Path], tmp_path: Path,
+                                                     kind: str) -> None:
+    """Imported in float32 (gguf's exact dequantization) and loaded with ``weight_format`` of the file's type,
+    every projection holds the file's own blocks bit for bit: quantizing a dequantized Q8_0 / Q4_0 block again
+    gives the same scale and values, so nothing is requantized away from what llama.cpp runs."""
+    from ssd.models import block_quant
+    from ssd.models.block_quant import BlockKind, BlockQuantProduct, blocks_from_gguf, quantize_blocks
+
+    if not block_quant.available():
+        pytest.skip("the block-quantized kernel could not be compiled")
+    block_kind = BlockKind(kind)
+    qtype = gguf.GGMLQuantizationType[kind.upper()]
+    ckpt = checkpoint_factory("llama")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    names = [n for n in load_file(str(ckpt / "model.safetensors")) if n.endswith(PROJECTIONS)]
+    path = tmp_path / "tiny.gguf"
+    write_gguf_like_llama_cpp(ckpt, path, "llama", quantize={n: qtype for n in names})
+    imported = load_file(str(convert_gguf(path, tmp_path / "out", dtype="float32") / "model.safetensors"))
+    stored = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    for name in names:
+        weight = imported[name]
+        raw = torch.from_numpy(np.array(stored[_gguf_name(name)].data)).reshape(weight.shape[0], -1)
+        values, scales = blocks_from_gguf(raw, block_kind, weight.shape[1])
+        heads = {"q_proj.weight": cfg["num_attention_heads"], "k_proj.weight": cfg["num_key_value_heads"]}
+        rope_heads = next((h for suffix, h in heads.items() if name.endswith(suffix)), 0)
+        if rope_heads:  # the file holds llama.cpp's row order; rows are whole blocks
+            values = gguf_tensors.unpermute_rope_rows(values, rope_heads)
+            scales = gguf_tensors.unpermute_rope_rows(scales, rope_heads)
+        ours = quantize_blocks(weight, block_kind)
+        assert torch.equal(ours[0], values) and torch.equal(ours[1], scales), name
+        x = torch.randn(3, weight.shape[1])
+        from_file = BlockQuantProduct.from_blocks(values, scales, block_kind, weight.shape[1])
+        assert torch.equal(BlockQuantProduct(weight, block_kind)(x), from_file(x)), name
