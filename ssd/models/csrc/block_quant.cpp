@@ -17,7 +17,8 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__) && \
+    defined(__F16C__)
 #include <immintrin.h>
 #define SSD_BQ_VECTOR 1
 #else
@@ -199,7 +200,7 @@ void quantize_row(const float* x, int64_t k, int64_t kp, uint8_t* a, float* s) {
   }
 }
 
-// Fixed pairwise combination of 16 lanes.
+// Fixed pairwise combination of 16 lanes: lane j += lane j + 8, then j += j + 4, j += j + 2, 0 += 1.
 inline float combine(const float* lanes) {
   float v[LANES];
   std::memcpy(v, lanes, sizeof(v));
@@ -207,6 +208,18 @@ inline float combine(const float* lanes) {
     for (int64_t j = 0; j < width; ++j) v[j] += v[j + width];
   return v[0];
 }
+
+#if SSD_BQ_VECTOR
+// The same additions in registers (the scalar loop above goes through memory, a chain of store-to-load
+// forwards that cost as much as the product itself for short inputs).
+inline float combine_vector(const float* lanes) {
+  const __m512 v = _mm512_loadu_ps(lanes);
+  const __m256 eight = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+}
+#endif
 
 }  // namespace
 
@@ -248,7 +261,14 @@ torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor qs, torch::Tenso
 #endif
         tile_portable(qs_p, d_p, q4, kp, tile, act.data(), lane_scales.data(), m, acc.data());
       for (int64_t n = 0; n < TILE_N && tile * TILE_N + n < n_out; ++n)
-        for (int64_t r = 0; r < m; ++r) out_p[r * n_out + tile * TILE_N + n] = combine(row_acc(acc.data(), r, n));
+        for (int64_t r = 0; r < m; ++r) {
+          const float* lanes = row_acc(acc.data(), r, n);
+#if SSD_BQ_VECTOR
+          out_p[r * n_out + tile * TILE_N + n] = use_vector ? combine_vector(lanes) : combine(lanes);
+#else
+          out_p[r * n_out + tile * TILE_N + n] = combine(lanes);
+#endif
+        }
     }
   });
   return out;
