@@ -10,16 +10,18 @@ for these formats: finer than one scale per row (``"w8a8"``), so outlier channel
 Why a kernel of our own: a decode step, a verification (K + 1 rows) or an SSD tree step (a row per branch)
 multiplies a few rows by every weight, so on CPU it should cost what reading the weights costs. PyTorch's
 int8 / int4 weight-only CPU kernels cost by rows (~2.3-2.9x at 5 rows on Zen 4) and llama.cpp's do too (~3.8x
-at 5 rows for Q4_K_M). This kernel reads each chunk of a tile of output channels once, unpacks it into L1 and
-multiplies it by every row there with AVX-512 VNNI (``csrc/block_quant.cpp``); ``bench/cpu_products.py``
+at 5 rows for Q4_K_M). This kernel (``csrc/block_quant.cpp``) puts 16 output channels in the 16 lanes of an
+AVX-512 register, so one VNNI instruction adds four products to each of them: a block of 32 inputs costs
+8 instructions per row and 16 channels, the weights are read once and used by up to 6 rows from registers,
+and the float work per block (convert, scale, add) is shared by 16 channels. ``bench/cpu_products.py``
 measures it against the others on the machine at hand.
 
-Batch invariance: a row's activations are quantized from that row alone and its outputs are computed by one
-fixed sequence of operations (exact int32 lane sums per 64 elements, one float fused multiply-add per lane, a
-fixed pairwise combination), so its result is bitwise the same whatever rows share the call. The portable C++
-path (CPUs without AVX-512 VNNI) performs the same operations and gives the same bits. A model in these
-formats is a quantized model: exact in every mode relative to itself; as a target it computes attention with
-the row-invariant kernel, like ``"w8a8"``.
+Batch invariance: a row's activations are quantized from that row alone and each of its outputs is computed by
+one fixed sequence of operations (per block, in order, an exact int32 sum, then one float fused multiply-add
+by the weight scale times the activation scale), so its result is bitwise the same whatever rows share the
+call. The portable C++ path (CPUs without AVX-512 VNNI) performs the same operations and gives the same bits.
+A model in these formats is a quantized model: exact in every mode relative to itself; as a target it computes
+attention with the row-invariant kernel, like ``"w8a8"``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from ssd.models.native import compiles, load_source_file
 
 BLOCK = 32  # weights sharing one scale
 CHUNK = 64  # the kernel's step along the input: two blocks (inputs are padded to it)
-TILE_N = 4  # output channels the kernel takes together (outputs are padded to it)
+GROUP = 16  # output channels the kernel takes together, one per vector lane (outputs are padded to it)
 
 
 class BlockKind(enum.Enum):
@@ -119,23 +121,28 @@ def blocks_from_gguf(raw: torch.Tensor, kind: BlockKind, in_features: int) -> tu
     return values, scales
 
 
-def _kernel_layout(values: torch.Tensor, scales: torch.Tensor, kind: BlockKind) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, scales) as the kernel reads them: padded to a multiple of 4 channels and stored tile-major
-    (``[tile of 4 channels][64-input chunk][channel][chunk bytes]``, so a tile's pass over the input is one
-    sequential stream); q4_0 values as nibbles, byte j of a channel's 32-byte chunk holding input 64c + j (low
-    nibble) and 64c + 32 + j (high nibble) as q in 0..15. Shapes stay [channels, bytes per channel]."""
+def _kernel_layout(values: torch.Tensor, scales: torch.Tensor, kind: BlockKind) -> torch.Tensor:
+    """(values, scales) as the kernel reads them: ``[group of 16 channels, chunk bytes x chunks]`` uint8, each
+    group one sequential stream of 64-input chunks, a chunk being the two blocks' float16 scales (channel
+    minor) and then each block's values with channel j in 32-bit lane j (``csrc/block_quant.cpp`` draws it):
+    q8_0 as unsigned ``q + 128``, 4 inputs per lane and vector; q4_0 as nibbles ``q`` in 0..15, byte i of a
+    lane holding input 4v + i (low) and 16 + 4v + i (high) of vector v. Channels are padded to 16."""
     out_features, in_p = values.shape
-    rows, chunks = _round_up(out_features, TILE_N), in_p // CHUNK
-    padded = torch.zeros(rows, in_p, dtype=torch.int8)
-    padded[:out_features] = values
+    rows, chunks = _round_up(out_features, GROUP), in_p // CHUNK
+    groups = rows // GROUP
+    unsigned = torch.zeros(rows, in_p, dtype=torch.int16)
+    unsigned[:out_features] = values.to(torch.int16) + (128 if kind is BlockKind.Q8_0 else 8)
     padded_scales = torch.zeros(rows, in_p // BLOCK, dtype=torch.float16)
     padded_scales[:out_features] = scales
-    if kind is BlockKind.Q4_0:
-        nibbles = (padded.to(torch.int16) + 8).to(torch.uint8).view(rows, chunks, 2, BLOCK)
-        padded = nibbles[:, :, 0, :] | (nibbles[:, :, 1, :] << 4)  # [rows, chunks, 32]
-    tile_major = padded.reshape(rows // TILE_N, TILE_N, chunks, -1).transpose(1, 2).contiguous()
-    scales_tile_major = padded_scales.view(rows // TILE_N, TILE_N, chunks, 2).transpose(1, 2).contiguous()
-    return tile_major.view(rows, -1), scales_tile_major.view(rows, -1)
+    if kind is BlockKind.Q8_0:  # [group, lane, chunk, block, vector t, byte i] -> [group, chunk, block, t, lane, i]
+        cells = unsigned.to(torch.uint8).view(groups, GROUP, chunks, 2, 8, 4).permute(0, 2, 3, 4, 1, 5)
+    else:  # [group, lane, chunk, block, half, vector v, byte i] -> low | high << 4 -> [group, chunk, block, v, lane, i]
+        halves = unsigned.to(torch.uint8).view(groups, GROUP, chunks, 2, 2, 4, 4)
+        cells = (halves[:, :, :, :, 0] | (halves[:, :, :, :, 1] << 4)).permute(0, 2, 3, 4, 1, 5)
+    value_bytes = cells.reshape(groups, chunks, -1)
+    scale_bytes = padded_scales.view(groups, GROUP, chunks, 2).permute(0, 2, 3, 1).contiguous()
+    scale_bytes = scale_bytes.view(torch.uint8).view(groups, chunks, -1)
+    return torch.cat([scale_bytes, value_bytes], dim=-1).view(groups, -1).contiguous()
 
 
 class BlockQuantProduct:
@@ -165,18 +172,18 @@ class BlockQuantProduct:
         self.kind = kind
         self.in_features = in_features
         self.out_features = values.shape[0]
-        self.values, self.scales = _kernel_layout(values, scales, kind)
+        self.packed = _kernel_layout(values, scales, kind)
         self.module = _module()  # compiled once, before the first product
 
     @property
     def nbytes(self) -> int:
         """Bytes the product holds (values and scales, with padding)."""
-        return self.values.numel() * self.values.element_size() + self.scales.numel() * 2
+        return self.packed.numel()
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                  portable: bool = False) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        out = self.module.block_quant_linear(rows, self.values, self.scales, self.kind is BlockKind.Q4_0,
-                                             self.out_features, portable)
+        out = self.module.block_quant_linear(rows, self.packed, self.kind is BlockKind.Q4_0, self.out_features,
+                                             portable)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if bias is None else out + bias
