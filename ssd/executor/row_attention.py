@@ -5,10 +5,16 @@ verification's masked rows, a prefill chunk), so the same token gets logits that
 one kind of step to another. With float weights that is harmless; with activations quantized per row
 (``"w8a8"`` targets, ``ssd/models/rowwise_int8.py``) a last-bit difference can flip a rounding step and grow
 into a different token, so SD and SSD would stop reproducing AR. This kernel computes every (query row, head)
-on its own, in one thread, in a fixed order: the dot products over the head dimension in 16 fixed lanes
-combined pairwise, the scores of the visible keys in key order (masked keys are skipped, not added as zeros),
-then the softmax and the weighted sum of values in key order. The result for a token is therefore bitwise the
-same in a decode step, a verification, a prefill chunk or any batch, at any thread count.
+by a fixed sequence of its own: the dot product with each visible key (masked keys are skipped, not added as
+zeros), the softmax, and the weighted sum of values in key order. The result for a token is therefore bitwise
+the same in a decode step, a verification, a prefill chunk or any batch, at any thread count.
+
+With AVX-512 and a head size that is a multiple of 16, one thread takes all query rows of a sequence and all
+heads of one KV head together, so each key and value is read once for all of them (a verification's rows
+and GQA's heads), while each (row, head) still runs its own chain: a fused multiply-add per 16-wide chunk
+of the head and one lane reduction per score, exponentials 16 keys at a time by one polynomial, values
+accumulated in key order. Elsewhere a scalar path computes each (row, head) alone (16 fixed lanes combined
+pairwise, ``std::exp``): different bits from the vector path, but one machine always runs the same path.
 
 The C++ source is compiled once per machine on first use (``ssd/models/native.py``; a C++ compiler and ninja
 are needed); :func:`available` says whether that worked.
@@ -97,44 +103,85 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// One (query row, head), head size a multiple of 16: each key's score is the same chain of fused
-// multiply-adds over the head's 16-wide chunks and the same lane reduction; exponentials 16 keys at a time;
-// the denominator in 16 lanes by visible-key index; values accumulated in key order.
-void attend_vector(const float* qv, const float* k_p, const float* v_p, int64_t Hkv, int64_t kvh, int64_t D,
-                   const int64_t* seen, int64_t n, float s, float* scores, float* o) {
-  const int64_t chunks = D / LANES;
-  __m512 q[MAX_CHUNKS];
-  for (int64_t c = 0; c < chunks; ++c) q[c] = _mm512_loadu_ps(qv + c * LANES);
+inline __mmask16 live_lanes(int64_t left) {
+  return static_cast<__mmask16>(left >= LANES ? 0xFFFF : (1u << left) - 1u);
+}
+
+// Softmax of one (query row, head)'s n scores in place (exponentials 16 keys at a time, the denominator in 16
+// lanes by visible-key index); returns the denominator.
+inline float softmax_vector(float* scores, int64_t n) {
   __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t i = 0; i < n; ++i) {
-    const float* kv = k_p + (seen[i] * Hkv + kvh) * D;
-    __m512 dot = _mm512_mul_ps(q[0], _mm512_loadu_ps(kv));
-    for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(kv + c * LANES), dot);
-    scores[i] = _mm512_reduce_add_ps(dot) * s;
-  }
   for (int64_t i = 0; i < n; i += LANES) {
-    const __mmask16 live = static_cast<__mmask16>(n - i >= LANES ? 0xFFFF : (1u << (n - i)) - 1u);
+    const __mmask16 live = live_lanes(n - i);
     top = _mm512_mask_max_ps(top, live, top, _mm512_maskz_loadu_ps(live, scores + i));
   }
   const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
   __m512 lanes = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += LANES) {
-    const __mmask16 live = static_cast<__mmask16>(n - i >= LANES ? 0xFFFF : (1u << (n - i)) - 1u);
+    const __mmask16 live = live_lanes(n - i);
     const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + i), shift));
     _mm512_mask_storeu_ps(scores + i, live, e);
     lanes = _mm512_mask_add_ps(lanes, live, lanes, e);
   }
-  const float denom = _mm512_reduce_add_ps(lanes);
-  __m512 acc[MAX_CHUNKS];
-  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; ++i) {
-    const float* vv = v_p + (seen[i] * Hkv + kvh) * D;
-    const __m512 w = _mm512_set1_ps(scores[i]);
-    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vv + c * LANES), acc[c]);
+  return _mm512_reduce_add_ps(lanes);
+}
+
+// Every query row of one sequence and every head of one KV head (head size a multiple of 16), reading each
+// key and value once for all of them. A (row, head)'s result is still one fixed sequence of its own: each
+// visible key's score is the same chain of fused multiply-adds over the head's 16-wide chunks and the same
+// lane reduction, the softmax above, and the values accumulated in key order.
+struct RowHead {
+  const float* q;  // query vector
+  float* o;        // output vector
+  int64_t row;     // index into the sequence's rows (mask row)
+  int64_t n;       // visible keys so far
+};
+
+template <int64_t chunks>  // head size / 16, a constant so that the chunk loops unroll and x stays in registers
+void attend_group_vector(const float* k_p, const float* v_p, int64_t Hkv, int64_t kvh, const int64_t* slots,
+                         int64_t L, const bool* const* visible, std::vector<RowHead>& items, float s,
+                         std::vector<float>& scores, std::vector<float>& acc) {
+  constexpr int64_t D = chunks * LANES;
+  const int64_t count = static_cast<int64_t>(items.size());
+  scores.resize(static_cast<size_t>(count * L));
+  acc.assign(static_cast<size_t>(count * D), 0.f);
+  __m512 x[chunks];
+  for (int64_t j = 0; j < L; ++j) {
+    const float* kv = k_p + (slots[j] * Hkv + kvh) * D;
+    for (int64_t c = 0; c < chunks; ++c) x[c] = _mm512_loadu_ps(kv + c * LANES);
+    for (int64_t i = 0; i < count; ++i) {
+      RowHead& it = items[i];
+      if (visible[it.row] != nullptr && !visible[it.row][j]) continue;
+      __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(it.q), x[0]);
+      for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(it.q + c * LANES), x[c], dot);
+      scores[i * L + it.n++] = _mm512_reduce_add_ps(dot) * s;
+    }
   }
-  const __m512 inv = _mm512_set1_ps(n > 0 ? denom : 1.f);
-  for (int64_t c = 0; c < chunks; ++c)
-    _mm512_storeu_ps(o + c * LANES, n > 0 ? _mm512_div_ps(acc[c], inv) : _mm512_setzero_ps());
+  std::vector<float> denom(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) {
+    denom[i] = softmax_vector(scores.data() + i * L, items[i].n);
+    items[i].n = 0;
+  }
+  for (int64_t j = 0; j < L; ++j) {
+    const float* vv = v_p + (slots[j] * Hkv + kvh) * D;
+    for (int64_t c = 0; c < chunks; ++c) x[c] = _mm512_loadu_ps(vv + c * LANES);
+    for (int64_t i = 0; i < count; ++i) {
+      RowHead& it = items[i];
+      if (visible[it.row] != nullptr && !visible[it.row][j]) continue;
+      const __m512 w = _mm512_set1_ps(scores[i * L + it.n++]);
+      float* a = acc.data() + i * D;
+      for (int64_t c = 0; c < chunks; ++c)
+        _mm512_storeu_ps(a + c * LANES, _mm512_fmadd_ps(w, x[c], _mm512_loadu_ps(a + c * LANES)));
+    }
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    const RowHead& it = items[i];
+    const __m512 d = _mm512_set1_ps(it.n > 0 ? denom[i] : 1.f);
+    for (int64_t c = 0; c < chunks; ++c)
+      _mm512_storeu_ps(it.o + c * LANES,
+                       it.n > 0 ? _mm512_div_ps(_mm512_loadu_ps(acc.data() + i * D + c * LANES), d)
+                                : _mm512_setzero_ps());
+  }
 }
 #endif
 }  // namespace
@@ -166,6 +213,37 @@ torch::Tensor row_attention(torch::Tensor query, torch::Tensor key_cache, torch:
   const int64_t* row_p = rows_t.data_ptr<int64_t>();
   float* o_p = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
+#if SSD_RA_VECTOR
+  if (D % LANES == 0 && D / LANES <= MAX_CHUNKS) {
+    at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+      std::vector<RowHead> items;
+      std::vector<const bool*> visible(Q);
+      std::vector<float> scores, acc;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t kvh = item % Hkv, b = item / Hkv;
+        items.clear();
+        for (int64_t q = 0; q < Q; ++q) {
+          const int64_t t = row_p[b * Q + q];
+          visible[q] = mask_p == nullptr ? nullptr : mask_p + (b * Q + q) * L;
+          if (t < 0 || t >= T) continue;  // a padding row
+          for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h)
+            items.push_back({q_p + (t * H + h) * D, o_p + (t * H + h) * D, q, 0});
+        }
+        if (items.empty()) continue;
+        const int64_t* slots = slot_p + b * L;
+        switch (D / LANES) {
+#define SSD_RA_CASE(C) \
+  case C: attend_group_vector<C>(k_p, v_p, Hkv, kvh, slots, L, visible.data(), items, s, scores, acc); break;
+          SSD_RA_CASE(1) SSD_RA_CASE(2) SSD_RA_CASE(3) SSD_RA_CASE(4) SSD_RA_CASE(5) SSD_RA_CASE(6) SSD_RA_CASE(7)
+          SSD_RA_CASE(8) SSD_RA_CASE(9) SSD_RA_CASE(10) SSD_RA_CASE(11) SSD_RA_CASE(12) SSD_RA_CASE(13)
+          SSD_RA_CASE(14) SSD_RA_CASE(15) SSD_RA_CASE(16)
+#undef SSD_RA_CASE
+        }
+      }
+    });
+    return out;
+  }
+#endif
   at::parallel_for(0, B * Q * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(L);
     std::vector<int64_t> seen(L);
@@ -174,21 +252,13 @@ torch::Tensor row_attention(torch::Tensor query, torch::Tensor key_cache, torch:
       const int64_t h = item % H, bq = item / H, b = bq / Q;
       const int64_t t = row_p[bq];
       if (t < 0 || t >= T) continue;  // a padding row
-      const int64_t kvh = h / group;
       int64_t n = 0;
       for (int64_t j = 0; j < L; ++j) {
         if (mask_p != nullptr && !mask_p[bq * L + j]) continue;
         seen[n++] = slot_p[b * L + j];
       }
-      const float* qv = q_p + (t * H + h) * D;
-      float* o = o_p + (t * H + h) * D;
-#if SSD_RA_VECTOR
-      if (D % LANES == 0 && D / LANES <= MAX_CHUNKS) {
-        attend_vector(qv, k_p, v_p, Hkv, kvh, D, seen.data(), n, s, scores.data(), o);
-        continue;
-      }
-#endif
-      attend_scalar(qv, k_p, v_p, Hkv, kvh, D, seen.data(), n, s, scores.data(), acc.data(), o);
+      attend_scalar(q_p + (t * H + h) * D, k_p, v_p, Hkv, h / group, D, seen.data(), n, s, scores.data(),
+                    acc.data(), o_p + (t * H + h) * D);
     }
   });
   return out;
