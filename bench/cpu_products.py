@@ -71,6 +71,7 @@ FORMATS = {
     "w8a8 (per-row activation scale)": lambda w: RowwiseInt8Product(w),
     "q8_0 (blocks of 32, activations too)": lambda w: BlockQuantProduct(w, BlockKind.Q8_0),
     "q4_0 (blocks of 32, activations in q8_0)": lambda w: BlockQuantProduct(w, BlockKind.Q4_0),
+    "q4_1 (q4_0 with block minimums)": lambda w: BlockQuantProduct(w, BlockKind.Q4_1),
 }
 
 

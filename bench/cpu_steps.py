@@ -37,8 +37,9 @@ DEFAULT_DRAFT = dict(SMOLLM2_135M, num_hidden_layers=4, vocab_size=12288)
 QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                   num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
 MODELS = {"smollm2-135m": SMOLLM2_135M, "default-draft": DEFAULT_DRAFT, "qwen2.5-1.5b": QWEN25_15B}
-FORMATS = ("fp16-packed", "int8-packed", "w8a8", "w8a8+row-attention", "q8_0+row-attention", "q4_0+row-attention")
-# +row-attention: as a target with quantized activations (w8a8, q8_0, q4_0) runs
+FORMATS = ("fp16-packed", "int8-packed", "w8a8", "w8a8+row-attention", "q8_0+row-attention", "q4_0+row-attention",
+           "q4_1+row-attention")
+# +row-attention: as a target with quantized activations (w8a8, q8_0, q4_0, q4_1) runs
 STEPS = {"decode": (1, False), "verify5": (5, False), "tree8": (8, True), "tree16": (16, True)}
 
 

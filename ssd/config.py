@@ -78,7 +78,7 @@ class SpeculativeConfig:
         WeightFormat.AUTO, "the draft's weights: auto (where it runs on CPU in float32: w8a8 with VNNI, else "
         "fp16-packed), dense, "
         "fp16-packed, int8-packed (int8 attention and gate/up projections: faster many-branch tree steps), w8a8 "
-        "(int8 weights and per-row int8 activations everywhere), q8_0 or q4_0 (as for the target)",
+        "(int8 weights and per-row int8 activations everywhere), q8_0, q4_0 or q4_1 (as for the target)",
         processes=(DRAFT,))
     prompt_lookup: bool = option(
         True, "drafts copy the token that followed the longest earlier match of the context's suffix, where "
@@ -184,9 +184,10 @@ class EngineConfig:
     weight_format: WeightFormat = option(
         WeightFormat.AUTO, "fp16-packed: float16 weights in FBGEMM's packed GEMM (CPU, float32); w8a8: int8 "
         "weights times per-row int8 activations with row-invariant attention (CPU, float32; a quantized model, "
-        "exact in every mode); q8_0 / q4_0: GGUF's blocks of 32 int8 / 4-bit weights times int8 activations in blocks "
-        "of 32 (C++ kernel, compiled on first use; CPU, float32; quantized like w8a8); auto: fp16-packed where dtype auto chose float32 (an explicit float32 keeps "
-        "float32 weights), else dense "
+        "exact in every mode); q8_0 / q4_0 / q4_1: GGUF's blocks of 32 int8 / 4-bit weights (q4_1: with a minimum) "
+        "times int8 activations in blocks of 32 (C++ kernel, compiled on first use; CPU, float32; quantized like "
+        "w8a8); auto: fp16-packed where dtype auto chose float32 (an explicit float32 keeps float32 weights), "
+        "else dense "
         "(ssd/models/weight_formats.py)", processes=(RANK,), choices=[f.value for f in TARGET_WEIGHT_FORMATS])
     device: str = option("cpu", "the target's device (cpu, cuda, cuda:1, ...)")
     max_model_len: int | None = option(None, "longest sequence (default: the model's max_position_embeddings, "

@@ -78,17 +78,18 @@ class WeightFormat(_Choice):
     W8A8 = "w8a8"  # int8 weights and per-row int8 activations; targets use row-invariant attention with it
     Q8_0 = "q8_0"  # GGUF's blocks of 32 int8 weights, activations in blocks of 32 too (a C++ kernel)
     Q4_0 = "q4_0"  # GGUF's blocks of 32 4-bit weights (LM head in q8_0), activations as for q8_0
+    Q4_1 = "q4_1"  # the same with a float16 minimum per block (w = d * q + m), as GGUF's Q4_1
     AUTO = "auto"
 
 
-TARGET_WEIGHT_FORMATS = (WeightFormat.DENSE, WeightFormat.FP16_PACKED, WeightFormat.W8A8, WeightFormat.Q8_0,
-                         WeightFormat.Q4_0, WeightFormat.AUTO)
-PACKED_WEIGHT_FORMATS = (WeightFormat.FP16_PACKED, WeightFormat.INT8_PACKED, WeightFormat.W8A8, WeightFormat.Q8_0,
-                         WeightFormat.Q4_0)
-BLOCK_WEIGHT_FORMATS = (WeightFormat.Q8_0, WeightFormat.Q4_0)  # the C++ kernel's, not FBGEMM's
+BLOCK_WEIGHT_FORMATS = (WeightFormat.Q8_0, WeightFormat.Q4_0, WeightFormat.Q4_1)  # the C++ kernel's, not FBGEMM's
+TARGET_WEIGHT_FORMATS = (WeightFormat.DENSE, WeightFormat.FP16_PACKED, WeightFormat.W8A8, *BLOCK_WEIGHT_FORMATS,
+                         WeightFormat.AUTO)
+PACKED_WEIGHT_FORMATS = (WeightFormat.FP16_PACKED, WeightFormat.INT8_PACKED, WeightFormat.W8A8,
+                         *BLOCK_WEIGHT_FORMATS)
 # Formats that quantize each product's input: a target in one computes attention with the row-invariant kernel,
 # so that a token's activations, and their rounding, are the same in every kind of step.
-ACTIVATION_QUANTIZED_FORMATS = (WeightFormat.W8A8, WeightFormat.Q8_0, WeightFormat.Q4_0)
+ACTIVATION_QUANTIZED_FORMATS = (WeightFormat.W8A8, *BLOCK_WEIGHT_FORMATS)
 
 
 class AdaptiveMode(_Choice):

@@ -17,7 +17,6 @@ from ssd.models.block_quant import (
     BlockKind,
     BlockQuantProduct,
     blocks_from_gguf,
-    dequantize_blocks,
     quantize_blocks,
 )
 from ssd.models.loader import load_model
@@ -28,7 +27,9 @@ from ssd_utils import assert_every_mode_decodes_like_ar, make_perturbed_draft
 pytestmark = pytest.mark.skipif(not block_quant.available(), reason="the block-quantized kernel could not be compiled")
 
 KINDS = list(BlockKind)
-GGUF_TYPES = {BlockKind.Q8_0: gguf.GGMLQuantizationType.Q8_0, BlockKind.Q4_0: gguf.GGMLQuantizationType.Q4_0}
+GGUF_TYPES = {kind: gguf.GGMLQuantizationType[kind.name] for kind in KINDS}
+# Relative error of the product against the float one: ~1% (8-bit) and ~10% (4-bit) of its norm.
+QUANTIZATION_ERROR = {BlockKind.Q8_0: 0.02, BlockKind.Q4_0: 0.15, BlockKind.Q4_1: 0.15}
 
 
 def _activations(x: torch.Tensor) -> torch.Tensor:
@@ -49,15 +50,13 @@ def test_matches_a_float64_reference(kind, out_features, in_features):
     weight = torch.randn(out_features, in_features, generator=gen)
     x = torch.randn(9, in_features, generator=gen)
     product = BlockQuantProduct(weight, kind)
-    values, scales = quantize_blocks(weight, kind)
-    exact = _activations(x) @ dequantize_blocks(values, scales)[:, :in_features].double().T
+    exact = _activations(x) @ quantize_blocks(weight, kind).dequantize()[:, :in_features].double().T
     out = product(x)
     assert out.shape == (9, out_features) and out.dtype == torch.float32
     # The only rounding left is float32 accumulation (and activation rounding ties): ~1e-6 of the magnitude.
     torch.testing.assert_close(out.double(), exact, rtol=1e-4, atol=1e-4 * exact.abs().max().item())
-    # Against the float product, the quantization error itself: ~1% (8-bit) and ~10% (4-bit) of its norm.
-    full = x.double() @ weight.double().T
-    assert (out.double() - full).norm() / full.norm() < (0.02 if kind is BlockKind.Q8_0 else 0.15)
+    full = x.double() @ weight.double().T  # against the float product, the quantization error itself
+    assert (out.double() - full).norm() / full.norm() < QUANTIZATION_ERROR[kind]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -101,19 +100,20 @@ def test_threads_do_not_change_the_bits():
 def test_quantization_round_trip(kind):
     weight = torch.randn(16, 96, generator=torch.Generator().manual_seed(4))
     weight[3] = 0.0  # a block of zeros: scale 0, values 0
-    values, scales = quantize_blocks(weight, kind)
+    blocks = quantize_blocks(weight, kind)
+    values, scales = blocks.values, blocks.scales
     assert values.shape == (16, 128) and scales.shape == (16, 4) and scales.dtype == torch.float16
-    assert int(values.min()) >= (-127 if kind is BlockKind.Q8_0 else -8)
-    assert int(values.max()) <= (127 if kind is BlockKind.Q8_0 else 7)
+    low, high = {BlockKind.Q8_0: (-127, 127), BlockKind.Q4_0: (-8, 7), BlockKind.Q4_1: (0, 15)}[kind]
+    assert low <= int(values.min()) and int(values.max()) <= high
     assert not values[:, 96:].any() and not scales[:, 3:].any() and not values[3].any()
-    back = dequantize_blocks(values, scales)[:, :96]
+    assert (blocks.mins is not None) == kind.has_min
+    back = blocks.dequantize()[:, :96]
     step = scales[:, :3].float().abs().repeat_interleave(32, dim=1)
-    # Half a step (and the float16 scale's rounding); q4_0's range -8..7 is one-sided, so a value at the far end
-    # from the block's extreme (mapped to -8) may clamp at 7: a full step there.
-    bound = step * (0.5 if kind is BlockKind.Q8_0 else 1.0) + 1e-3 * weight.abs()
+    # Half a step (and the float16 scale's and minimum's rounding); q4_0's range -8..7 is one-sided, so a value
+    # at the far end from the block's extreme (mapped to -8) may clamp at 7: a full step there.
+    bound = step * (1.0 if kind is BlockKind.Q4_0 else 0.5) + 2e-3 * weight.abs().amax(dim=1, keepdim=True)
     assert ((back - weight).abs() <= bound).all()
-    again = quantize_blocks(back, kind)
-    assert torch.equal(dequantize_blocks(*again)[:, :96], back)  # dequantized weights are a fixed point
+    assert torch.equal(quantize_blocks(back, kind).dequantize()[:, :96], back)  # dequantized weights: a fixed point
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -122,9 +122,12 @@ def test_gguf_blocks_are_read_bit_for_bit(kind, in_features):
     weight = np.random.default_rng(5).standard_normal((12, in_features)).astype(np.float32)
     raw = quants.quantize(weight, GGUF_TYPES[kind])  # the gguf package's own quantization
     reference = quants.dequantize(raw, GGUF_TYPES[kind])
-    values, scales = blocks_from_gguf(torch.from_numpy(raw), kind, in_features)
-    assert torch.equal(dequantize_blocks(values, scales)[:, :in_features], torch.from_numpy(reference))
-    product = BlockQuantProduct.from_blocks(values, scales, kind, in_features)
+    blocks = blocks_from_gguf(torch.from_numpy(raw), kind, in_features)
+    assert torch.equal(blocks.dequantize()[:, :in_features], torch.from_numpy(reference))
+    ours = quantize_blocks(torch.from_numpy(weight), kind)  # our quantizer makes the gguf package's blocks
+    assert torch.equal(ours.values, blocks.values) and torch.equal(ours.scales, blocks.scales)
+    assert ours.mins is None if blocks.mins is None else torch.equal(ours.mins, blocks.mins)
+    product = BlockQuantProduct.from_blocks(blocks, kind, in_features)
     x = torch.randn(3, in_features)
     torch.testing.assert_close(product(x).double(), _activations(x) @ torch.from_numpy(reference).double().T,
                                rtol=1e-4, atol=1e-3)
@@ -137,6 +140,9 @@ def test_clear_errors():
         blocks_from_gguf(torch.zeros(2, 34, dtype=torch.uint8), BlockKind.Q8_0, 40)
     with pytest.raises(ValueError, match="take 34 bytes"):
         blocks_from_gguf(torch.zeros(2, 18, dtype=torch.uint8), BlockKind.Q8_0, 32)
+    q4_0 = quantize_blocks(torch.randn(4, 64), BlockKind.Q4_0)
+    with pytest.raises(ValueError, match="q4_1 blocks need minimums"):
+        BlockQuantProduct.from_blocks(q4_0, BlockKind.Q4_1, 64)
     with pytest.raises(ValueError, match="CPU device"):
         resolve_weight_format("q4_0", "cuda", "float16")
 
@@ -158,7 +164,7 @@ ENGINE = dict(dtype="float32", kv_cache_memory="16MiB", max_model_len=128, block
 
 
 @pytest.mark.skipif(not row_attention_available(), reason="the row-invariant attention kernel could not be compiled")
-@pytest.mark.parametrize(("target_format", "draft_format"), [("q4_0", "q8_0"), ("q8_0", "q4_0")])
+@pytest.mark.parametrize(("target_format", "draft_format"), [("q4_0", "q8_0"), ("q8_0", "q4_0"), ("q4_1", "q4_1")])
 def test_every_mode_and_batch_shape_of_a_block_quantized_target_decodes_the_same(
         checkpoint_factory, tmp_path, target_format, draft_format):
     target = str(checkpoint_factory("llama"))

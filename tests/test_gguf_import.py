@@ -542,21 +542,21 @@ def test_smollm2_matches_transformers_gguf_loader(smollm2: dict[str, Path]) -> N
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Q8_0 / Q4_0 files run kept quantized: the weight formats of the same names reproduce the file's blocks
+# Q8_0 / Q4_0 / Q4_1 files run kept quantized: the weight formats of the same names reproduce the file's blocks
 # ----------------------------------------------------------------------------------------------------------
 
 PROJECTIONS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
                "up_proj.weight", "down_proj.weight")
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1"])
 def test_a_block_quantized_file_runs_its_own_blocks(checkpoint_factory: Callable[..., Path], tmp_path: Path,
                                                      kind: str) -> None:
     """Imported in float32 (gguf's exact dequantization) and loaded with ``weight_format`` of the file's type,
-    every projection holds the file's own blocks bit for bit: quantizing a dequantized Q8_0 / Q4_0 block again
-    gives the same scale and values, so nothing is requantized away from what llama.cpp runs."""
+    every projection holds the file's own blocks bit for bit: quantizing a dequantized Q8_0 / Q4_0 / Q4_1 block
+    again gives the same scale, minimum and values, so nothing is requantized away from what llama.cpp runs."""
     from ssd.models import block_quant
-    from ssd.models.block_quant import BlockKind, BlockQuantProduct, blocks_from_gguf, quantize_blocks
+    from ssd.models.block_quant import Blocks, BlockKind, BlockQuantProduct, blocks_from_gguf, quantize_blocks
 
     if not block_quant.available():
         pytest.skip("the block-quantized kernel could not be compiled")
@@ -572,14 +572,17 @@ def test_a_block_quantized_file_runs_its_own_blocks(checkpoint_factory: Callable
     for name in names:
         weight = imported[name]
         raw = torch.from_numpy(np.array(stored[_gguf_name(name)].data)).reshape(weight.shape[0], -1)
-        values, scales = blocks_from_gguf(raw, block_kind, weight.shape[1])
+        blocks = blocks_from_gguf(raw, block_kind, weight.shape[1])
+        values, scales, mins = blocks.values, blocks.scales, blocks.mins
         heads = {"q_proj.weight": cfg["num_attention_heads"], "k_proj.weight": cfg["num_key_value_heads"]}
         rope_heads = next((h for suffix, h in heads.items() if name.endswith(suffix)), 0)
         if rope_heads:  # the file holds llama.cpp's row order; rows are whole blocks
             values = gguf_tensors.unpermute_rope_rows(values, rope_heads)
             scales = gguf_tensors.unpermute_rope_rows(scales, rope_heads)
+            mins = None if mins is None else gguf_tensors.unpermute_rope_rows(mins, rope_heads)
         ours = quantize_blocks(weight, block_kind)
-        assert torch.equal(ours[0], values) and torch.equal(ours[1], scales), name
+        assert torch.equal(ours.values, values) and torch.equal(ours.scales, scales), name
+        assert mins is None or torch.equal(ours.mins, mins), name
         x = torch.randn(3, weight.shape[1])
-        from_file = BlockQuantProduct.from_blocks(values, scales, block_kind, weight.shape[1])
+        from_file = BlockQuantProduct.from_blocks(Blocks(values, scales, mins), block_kind, weight.shape[1])
         assert torch.equal(BlockQuantProduct(weight, block_kind)(x), from_file(x)), name

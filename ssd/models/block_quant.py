@@ -1,10 +1,12 @@
-"""Weight formats ``"q8_0"`` and ``"q4_0"``: weights in blocks of 32 sharing one float16 scale, multiplied by
-activations quantized to int8 in blocks of 32 per row; integer products, float32 out (CPU, C++ kernel).
+"""Weight formats ``"q8_0"``, ``"q4_0"`` and ``"q4_1"``: weights in blocks of 32 sharing one float16 scale,
+multiplied by activations quantized to int8 in blocks of 32 per row; integer products, float32 out (CPU, C++
+kernel).
 
 The blocks are GGUF's: ``q8_0`` holds int8 values (``w = d * q``), ``q4_0`` 4-bit values (``w = d * (q - 8)``,
-``q`` in 0..15, the scale ``d`` chosen so that the block's largest magnitude maps to -8), so a GGUF file's
-Q8_0 / Q4_0 tensors are used as stored, and a float checkpoint is quantized at load the way llama.cpp's
-converter does. Activations are quantized per block of 32 (``s = max|x| / 127``), as llama.cpp's CPU kernels do
+``q`` in 0..15, the scale ``d`` chosen so that the block's largest magnitude maps to -8), ``q4_1`` 4-bit
+values and a float16 minimum (``w = d * q + m``, the block's range in 15 steps), so a GGUF file's Q8_0 / Q4_0
+/ Q4_1 tensors are used as stored, and a float checkpoint is quantized at load the way llama.cpp's converter
+does. Activations are quantized per block of 32 (``s = max|x| / 127``), as llama.cpp's CPU kernels do
 for these formats: finer than one scale per row (``"w8a8"``), so outlier channels cost less precision.
 
 Why a kernel of our own: a decode step, a verification (K + 1 rows) or an SSD tree step (a row per branch)
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import enum
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -43,10 +46,50 @@ class BlockKind(enum.Enum):
 
     Q8_0 = "q8_0"
     Q4_0 = "q4_0"
+    Q4_1 = "q4_1"
 
     @property
     def bits(self) -> int:
         return 8 if self is BlockKind.Q8_0 else 4
+
+    @property
+    def has_min(self) -> bool:
+        """Whether a block also holds a float16 minimum (``w = d * q + m``)."""
+        return self is BlockKind.Q4_1
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in a GGUF file: the float16 scale (and minimum), then the values."""
+        return 2 * (2 if self.has_min else 1) + BLOCK * self.bits // 8
+
+    @property
+    def offset(self) -> int:
+        """What the kernel adds to a stored value to make it unsigned."""
+        return {BlockKind.Q8_0: 128, BlockKind.Q4_0: 8, BlockKind.Q4_1: 0}[self]
+
+    @property
+    def code(self) -> int:
+        """The kernel's number for this kind (``Kind`` in ``csrc/block_quant.cpp``)."""
+        return list(BlockKind).index(self)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A weight [out, in] in blocks of 32 inputs, inputs padded to 64 with zero weights (scale 0): ``values``
+    [out, in_p] int8 (q8_0: q; q4_0: q - 8; q4_1: q in 0..15), ``scales`` [out, in_p / 32] float16 and, for
+    q4_1, ``mins`` likewise (``w = scale * value (+ min)``)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+
+    def dequantize(self) -> torch.Tensor:
+        """Float32 weights [out, in_p]."""
+        out_features = self.values.shape[0]
+        w = self.values.view(out_features, -1, BLOCK).float() * self.scales.float().unsqueeze(-1)
+        if self.mins is not None:
+            w = w + self.mins.float().unsqueeze(-1)
+        return w.view(out_features, -1)
 
 
 @functools.cache
@@ -69,80 +112,87 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def quantize_blocks(weight: torch.Tensor, kind: BlockKind) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` [out, in] as (values [out, in_p] int8 (q8_0: q; q4_0: q - 8), scales [out, in_p / 32] float16),
-    with ``in_p`` the input padded to 64 with zero weights (scale 0)."""
+def quantize_blocks(weight: torch.Tensor, kind: BlockKind) -> Blocks:
+    """``weight`` [out, in] in blocks, as llama.cpp's reference quantizers make them (``quantize_row_q8_0`` /
+    ``_q4_0`` / ``_q4_1``: the step computed in float32, stored in float16)."""
     out_features, in_features = weight.shape
     w = torch.zeros(out_features, _round_up(in_features, CHUNK), dtype=torch.float32)
     w[:, :in_features] = weight.detach().float()
     blocks = w.view(out_features, -1, BLOCK)  # [out, in_p / 32, 32]
-    if kind is BlockKind.Q8_0:
-        scale = (blocks.abs().amax(dim=-1) / 127.0).half()
-        low, high = -127, 127
-    else:  # the signed value of largest magnitude maps to -8, as llama.cpp's quantize_row_q4_0 does
-        extreme = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
-        scale = (extreme / -8.0).half()
-        low, high = -8, 7
-    step = scale.float().unsqueeze(-1)  # [out, in_p / 32, 1]
-    inverse = torch.where(step != 0, 1.0 / step, torch.zeros_like(step))
-    values = torch.round(blocks * inverse).clamp(low, high).to(torch.int8)
-    return values.view(out_features, -1), scale
+
+    def inverse(step: torch.Tensor) -> torch.Tensor:
+        return torch.where(step != 0, 1.0 / step, torch.zeros_like(step)).unsqueeze(-1)
+
+    if kind is BlockKind.Q8_0:  # the largest magnitude maps to 127, rounding half away from zero
+        step = blocks.abs().amax(dim=-1) / 127.0
+        scaled = blocks * inverse(step)
+        values, mins = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5), None
+    elif kind is BlockKind.Q4_0:  # the signed value of largest magnitude maps to -8
+        step = blocks.gather(-1, blocks.abs().argmax(dim=-1, keepdim=True)).squeeze(-1) / -8.0
+        values, mins = torch.trunc(blocks * inverse(step) + 8.5).clamp(0, 15) - 8, None
+    else:  # the block's range in 15 steps from its minimum
+        low = blocks.amin(dim=-1)
+        step = (blocks.amax(dim=-1) - low) / 15.0
+        values, mins = torch.trunc((blocks - low.unsqueeze(-1)) * inverse(step) + 0.5).clamp(0, 15), low.half()
+    return Blocks(values.to(torch.int8).view(out_features, -1), step.half(), mins)
 
 
-def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Float32 weights [out, in_p] of (values, scales) as :func:`quantize_blocks` returns them."""
-    out_features = values.shape[0]
-    return (values.view(out_features, -1, BLOCK).float() * scales.float().unsqueeze(-1)).view(out_features, -1)
-
-
-def blocks_from_gguf(raw: torch.Tensor, kind: BlockKind, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A GGUF Q8_0 / Q4_0 tensor's bytes ``raw`` [out, in / 32 * block bytes] uint8 as :func:`quantize_blocks`
-    returns blocks (values [out, in_p] int8, scales [out, in_p / 32] float16), bit for bit: a Q8_0 block is a
-    float16 scale and 32 int8 values; a Q4_0 block a float16 scale and 16 bytes, byte j holding value j (low
-    nibble) and value j + 16 (high nibble), each ``q`` in 0..15 meaning ``q - 8``."""
+def blocks_from_gguf(raw: torch.Tensor, kind: BlockKind, in_features: int) -> Blocks:
+    """A GGUF Q8_0 / Q4_0 / Q4_1 tensor's bytes ``raw`` [out, in / 32 * block bytes] uint8 as :class:`Blocks`,
+    bit for bit: a block is a float16 scale (Q4_1: and a float16 minimum), then 32 int8 values (Q8_0) or 16
+    bytes, byte j holding value j (low nibble) and value j + 16 (high nibble), each ``q`` in 0..15 (Q4_0:
+    meaning ``q - 8``)."""
     if in_features % BLOCK:
         raise ValueError(f"a {kind.value} tensor's rows must hold whole blocks of {BLOCK}; got {in_features}")
     out_features, blocks = raw.shape[0], in_features // BLOCK
-    block_bytes = 2 + BLOCK * kind.bits // 8
-    if raw.dtype != torch.uint8 or raw.shape[1] != blocks * block_bytes:
-        raise ValueError(f"{kind.value} rows of {in_features} values take {blocks * block_bytes} bytes; got "
+    if raw.dtype != torch.uint8 or raw.shape[1] != blocks * kind.block_bytes:
+        raise ValueError(f"{kind.value} rows of {in_features} values take {blocks * kind.block_bytes} bytes; got "
                          f"{raw.dtype} {tuple(raw.shape)}")
-    cells = raw.contiguous().view(out_features, blocks, block_bytes)
-    scale = cells[..., :2].contiguous().view(torch.float16).view(out_features, blocks)
+    cells = raw.contiguous().view(out_features, blocks, kind.block_bytes)
+    head = 4 if kind.has_min else 2
+    halves = cells[..., :head].contiguous().view(torch.float16).view(out_features, blocks, -1)
     if kind is BlockKind.Q8_0:
-        q = cells[..., 2:].contiguous().view(torch.int8)
+        q = cells[..., head:].contiguous().view(torch.int8)
     else:
-        packed = cells[..., 2:]
-        q = (torch.cat([packed & 0x0F, packed >> 4], dim=-1).to(torch.int16) - 8).to(torch.int8)
-    values = torch.zeros(out_features, _round_up(in_features, CHUNK), dtype=torch.int8)
+        packed = cells[..., head:]
+        q = (torch.cat([packed & 0x0F, packed >> 4], dim=-1).to(torch.int16) - (8 if kind is BlockKind.Q4_0 else 0))
+        q = q.to(torch.int8)
+    in_p = _round_up(in_features, CHUNK)
+    values = torch.zeros(out_features, in_p, dtype=torch.int8)
     values[:, :in_features] = q.reshape(out_features, in_features)
-    scales = torch.zeros(out_features, values.shape[1] // BLOCK, dtype=torch.float16)
-    scales[:, :blocks] = scale
-    return values, scales
+
+    def padded(column: int) -> torch.Tensor:
+        out = torch.zeros(out_features, in_p // BLOCK, dtype=torch.float16)
+        out[:, :blocks] = halves[..., column]
+        return out
+
+    return Blocks(values, padded(0), padded(1) if kind.has_min else None)
 
 
-def _kernel_layout(values: torch.Tensor, scales: torch.Tensor, kind: BlockKind) -> torch.Tensor:
-    """(values, scales) as the kernel reads them: ``[group of 16 channels, chunk bytes x chunks]`` uint8, each
-    group one sequential stream of 64-input chunks, a chunk being the two blocks' float16 scales (channel
-    minor) and then each block's values with channel j in 32-bit lane j (``csrc/block_quant.cpp`` draws it):
-    q8_0 as unsigned ``q + 128``, 4 inputs per lane and vector; q4_0 as nibbles ``q`` in 0..15, byte i of a
-    lane holding input 4v + i (low) and 16 + 4v + i (high) of vector v. Channels are padded to 16."""
-    out_features, in_p = values.shape
+def _kernel_layout(blocks: Blocks, kind: BlockKind) -> torch.Tensor:
+    """``blocks`` as the kernel reads them: ``[group of 16 channels, chunk bytes x chunks]`` uint8, each group
+    one sequential stream of 64-input chunks, a chunk being the two blocks' float16 scales (channel minor; then
+    their minimums, q4_1) and each block's values with channel j in 32-bit lane j (``csrc/block_quant.cpp``
+    draws it): q8_0 as unsigned ``q + 128``, 4 inputs per lane and vector; q4_0 / q4_1 as nibbles ``q`` in
+    0..15, byte i of a lane holding input 4v + i (low) and 16 + 4v + i (high) of vector v. Channels are padded
+    to 16."""
+    out_features, in_p = blocks.values.shape
     rows, chunks = _round_up(out_features, GROUP), in_p // CHUNK
     groups = rows // GROUP
     unsigned = torch.zeros(rows, in_p, dtype=torch.int16)
-    unsigned[:out_features] = values.to(torch.int16) + (128 if kind is BlockKind.Q8_0 else 8)
-    padded_scales = torch.zeros(rows, in_p // BLOCK, dtype=torch.float16)
-    padded_scales[:out_features] = scales
+    unsigned[:out_features] = blocks.values.to(torch.int16) + kind.offset
     if kind is BlockKind.Q8_0:  # [group, lane, chunk, block, vector t, byte i] -> [group, chunk, block, t, lane, i]
         cells = unsigned.to(torch.uint8).view(groups, GROUP, chunks, 2, 8, 4).permute(0, 2, 3, 4, 1, 5)
     else:  # [group, lane, chunk, block, half, vector v, byte i] -> low | high << 4 -> [group, chunk, block, v, lane, i]
         halves = unsigned.to(torch.uint8).view(groups, GROUP, chunks, 2, 2, 4, 4)
         cells = (halves[:, :, :, :, 0] | (halves[:, :, :, :, 1] << 4)).permute(0, 2, 3, 4, 1, 5)
-    value_bytes = cells.reshape(groups, chunks, -1)
-    scale_bytes = padded_scales.view(groups, GROUP, chunks, 2).permute(0, 2, 3, 1).contiguous()
-    scale_bytes = scale_bytes.view(torch.uint8).view(groups, chunks, -1)
-    return torch.cat([scale_bytes, value_bytes], dim=-1).view(groups, -1).contiguous()
+    parts = [cells.reshape(groups, chunks, -1)]
+    for halfs in ([blocks.mins] if kind.has_min else []) + [blocks.scales]:
+        padded = torch.zeros(rows, in_p // BLOCK, dtype=torch.float16)
+        padded[:out_features] = halfs
+        per_chunk = padded.view(groups, GROUP, chunks, 2).permute(0, 2, 3, 1).contiguous()
+        parts.insert(0, per_chunk.view(torch.uint8).view(groups, chunks, -1))
+    return torch.cat(parts, dim=-1).view(groups, -1).contiguous()
 
 
 class BlockQuantProduct:
@@ -152,38 +202,38 @@ class BlockQuantProduct:
 
     def __init__(self, weight: torch.Tensor, kind: BlockKind = BlockKind.Q4_0) -> None:
         if weight.dim() != 2 or weight.device.type != "cpu":
-            raise ValueError(f"a quantized weight must be a 2-D CPU tensor, got {tuple(weight.shape)} on {weight.device}")
-        values, scales = quantize_blocks(weight, kind)
-        self._init(values, scales, kind, weight.shape[1])
+            raise ValueError(f"a quantized weight must be a 2-D CPU tensor, got {tuple(weight.shape)} on "
+                             f"{weight.device}")
+        self._init(quantize_blocks(weight, kind), kind, weight.shape[1])
 
     @classmethod
-    def from_blocks(cls, values: torch.Tensor, scales: torch.Tensor, kind: BlockKind,
-                    in_features: int) -> "BlockQuantProduct":
-        """A product over blocks already quantized (GGUF tensors kept as stored): ``values`` [out, in_p] int8
-        (q4_0: q - 8), ``scales`` [out, in_p / 32] float16, ``in_p`` a multiple of 64."""
+    def from_blocks(cls, blocks: Blocks, kind: BlockKind, in_features: int) -> "BlockQuantProduct":
+        """A product over blocks already quantized (GGUF tensors kept as stored; :class:`Blocks`)."""
+        values, scales = blocks.values, blocks.scales
         if values.dtype != torch.int8 or scales.dtype != torch.float16 or values.shape[1] % CHUNK:
             raise ValueError(f"blocks must be int8 values padded to {CHUNK} inputs and float16 scales; got "
                              f"{values.dtype} {tuple(values.shape)}, {scales.dtype} {tuple(scales.shape)}")
+        if (blocks.mins is not None) != kind.has_min:
+            raise ValueError(f"{kind.value} blocks {'need' if kind.has_min else 'have no'} minimums")
         product = cls.__new__(cls)
-        product._init(values, scales, kind, in_features)
+        product._init(blocks, kind, in_features)
         return product
 
-    def _init(self, values: torch.Tensor, scales: torch.Tensor, kind: BlockKind, in_features: int) -> None:
+    def _init(self, blocks: Blocks, kind: BlockKind, in_features: int) -> None:
         self.kind = kind
         self.in_features = in_features
-        self.out_features = values.shape[0]
-        self.packed = _kernel_layout(values, scales, kind)
+        self.out_features = blocks.values.shape[0]
+        self.packed = _kernel_layout(blocks, kind)
         self.module = _module()  # compiled once, before the first product
 
     @property
     def nbytes(self) -> int:
-        """Bytes the product holds (values and scales, with padding)."""
+        """Bytes the product holds (values, scales and minimums, with padding)."""
         return self.packed.numel()
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                  portable: bool = False) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        out = self.module.block_quant_linear(rows, self.packed, self.kind is BlockKind.Q4_0, self.out_features,
-                                             portable)
+        out = self.module.block_quant_linear(rows, self.packed, self.kind.code, self.out_features, portable)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if bias is None else out + bias

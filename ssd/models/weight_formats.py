@@ -15,11 +15,11 @@ Formats (``weight_format`` for the target, ``draft_weight_format`` for the draft
   quantized per row, for every projection and the LM head (``ssd/models/rowwise_int8.py``); batch-invariant
   products, close to flat in the row count up to ~8 rows. A w8a8 target also needs the row-invariant attention
   kernel (compiled on first use; its runner refuses to start where it cannot be) and is a quantized model;
-- ``"q8_0"`` / ``"q4_0"``: targets and drafts, CPU and ``float32`` models (no FBGEMM needed: a C++ kernel,
-  compiled on first use): GGUF's blocks of 32 int8 / 4-bit weights with one float16 scale, times activations
-  quantized to int8 in blocks of 32 per row (``ssd/models/block_quant.py``); ``"q4_0"`` keeps the LM head in
-  ``"q8_0"``. Batch-invariant; a target in them computes attention with the row-invariant kernel and is a
-  quantized model, like ``"w8a8"``;
+- ``"q8_0"`` / ``"q4_0"`` / ``"q4_1"``: targets and drafts, CPU and ``float32`` models (no FBGEMM needed: a
+  C++ kernel, compiled on first use): GGUF's blocks of 32 int8 / 4-bit weights with one float16 scale (and, in
+  ``"q4_1"``, a float16 minimum), times activations quantized to int8 in blocks of 32 per row
+  (``ssd/models/block_quant.py``); the 4-bit formats keep the LM head in ``"q8_0"``. Batch-invariant; a
+  target in them computes attention with the row-invariant kernel and is a quantized model, like ``"w8a8"``;
 - ``"auto"`` (both defaults): for a target, ``"fp16-packed"`` where it applies, else ``"dense"``; it applies
   only when ``dtype="auto"`` chose float32 (on any CPU with FBGEMM: float16 weights in this GEMM are the
   fastest precision for few-row products there, see ``ssd/dtypes.py``, and finer than bfloat16); an explicit
@@ -114,7 +114,7 @@ def _product(weight_format: WeightFormat, name: str) -> Callable[[torch.Tensor],
     if weight_format == WeightFormat.W8A8:
         return RowwiseInt8Product
     if weight_format in BLOCK_WEIGHT_FORMATS:
-        kind = BlockKind.Q4_0 if weight_format == WeightFormat.Q4_0 and name != "lm_head" else BlockKind.Q8_0
+        kind = BlockKind.Q8_0 if name == "lm_head" else BlockKind(weight_format.value)
         return functools.partial(BlockQuantProduct, kind=kind)
     if weight_format == WeightFormat.INT8_PACKED and not name.endswith(INT8_EXEMPT + ("lm_head",)):
         return PackedInt8Product

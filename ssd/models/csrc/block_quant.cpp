@@ -1,23 +1,27 @@
 // Block-quantized products on CPU: y = x @ W.T with W held in blocks of 32 weights sharing one float16 scale
-// (q8_0: int8 values; q4_0: 4-bit values minus 8, as GGUF stores them) and x quantized to int8 in blocks of 32
-// per row (one float scale per block, as llama.cpp quantizes its activations). Documented in block_quant.py.
+// (q8_0: int8 values; q4_0: 4-bit values minus 8; q4_1: 4-bit values and a float16 minimum, w = d * q + m; as
+// GGUF stores them) and x quantized to int8 in blocks of 32 per row (one float scale per block, as llama.cpp
+// quantizes its activations). Documented in block_quant.py.
 //
 // Layout: output channels in groups of 16, one per 32-bit lane of an AVX-512 register, so one VNNI
 // instruction adds 4 products to each of 16 channels and a block of 32 inputs is 8 instructions per row
 // whatever the row count: the weights are read once per group and reused by every row from registers, and
 // the per-block float work (convert, scale, add) is shared by 16 channels. A group's weights are one
 // sequential stream of 64-input chunks:
-//   [chunk] = [scales: block 0's 16 float16, block 1's 16 float16] [block 0 values] [block 1 values]
+//   [chunk] = [scales: block 0's 16 float16, block 1's 16 float16] ([minimums, likewise: q4_1])
+//             [block 0 values] [block 1 values]
 //   q8_0 block values: 8 x 64 bytes; vector t, lane j = channel j's inputs 4t..4t+3 as unsigned q + 128;
-//   q4_0 block values: 4 x 64 bytes; vector v, lane j, byte i: low nibble = channel j's input 4v + i,
-//   high nibble = its input 16 + 4v + i, each q in 0..15 (meaning q - 8).
+//   q4_0 / q4_1 block values: 4 x 64 bytes; vector v, lane j, byte i: low nibble = channel j's input 4v + i,
+//   high nibble = its input 16 + 4v + i, each q in 0..15 (q4_0: meaning q - 8).
 // Weights are unsigned and activations signed (the broadcast operand of VNNI is the signed one); the offset
-// (128 or 8) times the activations' block sum is subtracted once per row and block.
+// (128 or 8) times the activations' block sum is subtracted once per row and block; q4_1 adds instead its
+// minimum times the activations' block sum times their scale.
 //
 // The arithmetic of one output (row r, channel n) is fixed whatever else shares the call: for each block b in
 // order, the exact int32 sum t_b = sum(u * a) - offset * sum(a), then acc = fma(float(t_b), d_w * s_a, acc)
-// with d_w * s_a rounded to float first. The vector path and the portable path perform exactly these
-// operations, so they agree bitwise, and a row's result never depends on the number or values of other rows.
+// with d_w * s_a rounded to float first (q4_1: then acc = fma(m_w, s_a * sum(a), acc)). The vector path and
+// the portable path perform exactly these operations, so they agree bitwise, and a row's result never depends
+// on the number or values of other rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -39,16 +43,23 @@ namespace {
 constexpr int64_t BLOCK = 32;   // weights (and activations) sharing one scale
 constexpr int64_t CHUNK = 64;   // inputs per chunk of the stream: two blocks
 constexpr int64_t GROUP = 16;   // output channels per group: one per lane
-constexpr int64_t SCALE_BYTES = 2 * GROUP * 2;  // a chunk's float16 scales
+constexpr int64_t SCALE_BYTES = 2 * GROUP * 2;  // a chunk's float16 scales (and as many for q4_1's minimums)
 
-inline int64_t block_value_bytes(bool q4) { return GROUP * (q4 ? BLOCK / 2 : BLOCK); }
-inline int64_t chunk_bytes(bool q4) { return SCALE_BYTES + 2 * block_value_bytes(q4); }
+enum Kind : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };  // as BlockKind.code in block_quant.py
 
-// The rows, quantized: a [m, kp] int8, per (row, block) its scale and -offset x the block's sum of a.
+constexpr bool nibbles(Kind kind) { return kind != Q8_0; }
+constexpr int32_t offset(Kind kind) { return kind == Q8_0 ? 128 : kind == Q4_0 ? 8 : 0; }
+inline int64_t block_value_bytes(Kind kind) { return GROUP * (nibbles(kind) ? BLOCK / 2 : BLOCK); }
+inline int64_t values_at(Kind kind) { return kind == Q4_1 ? 2 * SCALE_BYTES : SCALE_BYTES; }
+inline int64_t chunk_bytes(Kind kind) { return values_at(kind) + 2 * block_value_bytes(kind); }
+
+// The rows, quantized: a [m, kp] int8, per (row, block) its scale, -offset x the block's sum of a, and
+// scale x the block's sum of a (q4_1's minimum multiplies it).
 struct Rows {
   const int8_t* a;
   const float* scale;
   const int32_t* corr;
+  const float* scaled_sum;
   int64_t kp;
   int64_t blocks;
 };
@@ -61,7 +72,8 @@ struct Stream {  // the packed weights
 };
 
 // Row x[0:k] as int8 in blocks of 32 (zero beyond k), each block's scale and correction.
-void quantize_row(const float* x, int64_t k, int64_t kp, int32_t offset, int8_t* a, float* s, int32_t* corr) {
+void quantize_row(const float* x, int64_t k, int64_t kp, int32_t offset, int8_t* a, float* s, int32_t* corr,
+                  float* scaled_sum) {
   for (int64_t b = 0; b < kp / BLOCK; ++b) {
     const int64_t lo = b * BLOCK;
     float amax = 0.f;
@@ -76,32 +88,40 @@ void quantize_row(const float* x, int64_t k, int64_t kp, int32_t offset, int8_t*
     }
     s[b] = scale;
     corr[b] = -offset * sum;
+    scaled_sum[b] = scale * static_cast<float>(sum);
   }
 }
 
 // Weight u (unsigned, offset included) of lane j, input i of a block's values.
-inline int32_t weight_at(const uint8_t* values, bool q4, int64_t j, int64_t i) {
-  if (!q4) return values[(i / 4) * 64 + j * 4 + i % 4];
+inline int32_t weight_at(const uint8_t* values, Kind kind, int64_t j, int64_t i) {
+  if (!nibbles(kind)) return values[(i / 4) * 64 + j * 4 + i % 4];
   const int64_t low = i % 16;
   const uint8_t byte = values[(low / 4) * 64 + j * 4 + low % 4];
   return i < 16 ? (byte & 0x0F) : (byte >> 4);
 }
 
-void group_portable(const Stream& w, bool q4, int64_t group, const Rows& rows, int64_t m, float* out,
+inline float half_at(const uint8_t* p) {
+  at::Half h;
+  std::memcpy(&h, p, sizeof(h));
+  return static_cast<float>(h);
+}
+
+void group_portable(const Stream& w, Kind kind, int64_t group, const Rows& rows, int64_t m, float* out,
                     int64_t n_out) {
   for (int64_t j = 0; j < GROUP && group * GROUP + j < n_out; ++j) {
     for (int64_t r = 0; r < m; ++r) {
       float acc = 0.f;
       for (int64_t b = 0; b < rows.blocks; ++b) {
         const uint8_t* chunk = w.chunk(group, b / 2);
-        const uint8_t* values = chunk + SCALE_BYTES + (b % 2) * block_value_bytes(q4);
+        const uint8_t* values = chunk + values_at(kind) + (b % 2) * block_value_bytes(kind);
         const int8_t* a = rows.a + r * rows.kp + b * BLOCK;
         int32_t t = rows.corr[r * rows.blocks + b];
-        for (int64_t i = 0; i < BLOCK; ++i) t += weight_at(values, q4, j, i) * a[i];
-        at::Half d;
-        std::memcpy(&d, chunk + ((b % 2) * GROUP + j) * 2, sizeof(d));
-        const float s = static_cast<float>(d) * rows.scale[r * rows.blocks + b];
+        for (int64_t i = 0; i < BLOCK; ++i) t += weight_at(values, kind, j, i) * a[i];
+        const int64_t cell = ((b % 2) * GROUP + j) * 2;
+        const float s = half_at(chunk + cell) * rows.scale[r * rows.blocks + b];
         acc = std::fma(static_cast<float>(t), s, acc);
+        if (kind == Q4_1)
+          acc = std::fma(half_at(chunk + SCALE_BYTES + cell), rows.scaled_sum[r * rows.blocks + b], acc);
       }
       out[r * n_out + group * GROUP + j] = acc;
     }
@@ -118,7 +138,7 @@ inline __m512i broadcast4(const int8_t* a) {
 }
 
 // Rows [r0, r0 + R) times groups [g0, g0 + G): the accumulators stay in registers for the whole input.
-template <bool Q4, int G, int R>
+template <Kind K, int G, int R>
 void tile(const Stream& w, int64_t g0, const Rows& rows, int64_t r0, float* out, int64_t n_out) {
   __m512 acc[G][R];
   for (int g = 0; g < G; ++g)
@@ -140,12 +160,12 @@ void tile(const Stream& w, int64_t g0, const Rows& rows, int64_t r0, float* out,
         const __m512i corr = _mm512_set1_epi32(rows.corr[(r0 + r) * rows.blocks + b]);
         for (int g = 0; g < G; ++g) sums[g][r] = corr;
       }
-      const int64_t values_at = SCALE_BYTES + h * block_value_bytes(Q4);
-      if constexpr (Q4) {
+      const int64_t first = values_at(K) + h * block_value_bytes(K);
+      if constexpr (nibbles(K)) {
         for (int v = 0; v < 4; ++v) {
           __m512i low[G], high[G];
           for (int g = 0; g < G; ++g) {
-            const __m512i packed = _mm512_loadu_si512(chunk[g] + values_at + 64 * v);
+            const __m512i packed = _mm512_loadu_si512(chunk[g] + first + 64 * v);
             low[g] = _mm512_and_si512(packed, nibble);
             high[g] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
           }
@@ -160,7 +180,7 @@ void tile(const Stream& w, int64_t g0, const Rows& rows, int64_t r0, float* out,
       } else {
         for (int t = 0; t < 8; ++t) {
           __m512i u[G];
-          for (int g = 0; g < G; ++g) u[g] = _mm512_loadu_si512(chunk[g] + values_at + 64 * t);
+          for (int g = 0; g < G; ++g) u[g] = _mm512_loadu_si512(chunk[g] + first + 64 * t);
           for (int r = 0; r < R; ++r) {
             const __m512i av = broadcast4(a[r] + 4 * t);
             for (int g = 0; g < G; ++g) sums[g][r] = _mm512_dpbusd_epi32(sums[g][r], u[g], av);
@@ -169,9 +189,14 @@ void tile(const Stream& w, int64_t g0, const Rows& rows, int64_t r0, float* out,
       }
       for (int g = 0; g < G; ++g) {
         const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk[g] + h * 32)));
+        __m512 mins = _mm512_setzero_ps();
+        if constexpr (K == Q4_1)
+          mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk[g] + SCALE_BYTES + h * 32)));
         for (int r = 0; r < R; ++r) {
-          const __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(rows.scale[(r0 + r) * rows.blocks + b]));
+          const int64_t cell = (r0 + r) * rows.blocks + b;
+          const __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(rows.scale[cell]));
           acc[g][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[g][r]), s, acc[g][r]);
+          if constexpr (K == Q4_1) acc[g][r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(rows.scaled_sum[cell]), acc[g][r]);
         }
       }
     }
@@ -188,28 +213,28 @@ void tile(const Stream& w, int64_t g0, const Rows& rows, int64_t r0, float* out,
 constexpr int MAX_G = 2;  // groups sharing one pass over the rows
 constexpr int MAX_R = 6;  // rows sharing one pass over a group's weights (more rows: more passes, from cache)
 
-template <bool Q4, int G>
+template <Kind K, int G>
 void rows_vector(const Stream& w, int64_t g0, const Rows& rows, int64_t r0, int64_t count, float* out,
                  int64_t n_out) {
   switch (count) {
-    case 1: tile<Q4, G, 1>(w, g0, rows, r0, out, n_out); break;
-    case 2: tile<Q4, G, 2>(w, g0, rows, r0, out, n_out); break;
-    case 3: tile<Q4, G, 3>(w, g0, rows, r0, out, n_out); break;
-    case 4: tile<Q4, G, 4>(w, g0, rows, r0, out, n_out); break;
-    case 5: tile<Q4, G, 5>(w, g0, rows, r0, out, n_out); break;
-    default: tile<Q4, G, MAX_R>(w, g0, rows, r0, out, n_out); break;
+    case 1: tile<K, G, 1>(w, g0, rows, r0, out, n_out); break;
+    case 2: tile<K, G, 2>(w, g0, rows, r0, out, n_out); break;
+    case 3: tile<K, G, 3>(w, g0, rows, r0, out, n_out); break;
+    case 4: tile<K, G, 4>(w, g0, rows, r0, out, n_out); break;
+    case 5: tile<K, G, 5>(w, g0, rows, r0, out, n_out); break;
+    default: tile<K, G, MAX_R>(w, g0, rows, r0, out, n_out); break;
   }
 }
 
-template <bool Q4>
+template <Kind K>
 void groups_vector(const Stream& w, int64_t g0, int64_t groups, const Rows& rows, int64_t m, float* out,
                    int64_t n_out) {
   for (int64_t r0 = 0; r0 < m; r0 += MAX_R) {
     const int64_t count = std::min<int64_t>(MAX_R, m - r0);
     if (groups == MAX_G)
-      rows_vector<Q4, MAX_G>(w, g0, rows, r0, count, out, n_out);
+      rows_vector<K, MAX_G>(w, g0, rows, r0, count, out, n_out);
     else
-      rows_vector<Q4, 1>(w, g0, rows, r0, count, out, n_out);
+      rows_vector<K, 1>(w, g0, rows, r0, count, out, n_out);
   }
 }
 #endif
@@ -221,13 +246,16 @@ bool vectorized() { return SSD_BQ_VECTOR != 0; }
 // x [m, k] float32; packed [groups, chunks * chunk bytes] uint8 in the layout above (kp = 64 * chunks >= k
 // inputs, padding with zero scales). Returns [m, n_out] float32, n_out <= 16 * groups. portable: take the
 // portable path even where the vector one was compiled (tests compare them).
-torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor packed, bool q4, int64_t n_out, bool portable) {
+torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor packed, int64_t kind_code, int64_t n_out,
+                                 bool portable) {
+  TORCH_CHECK(kind_code >= Q8_0 && kind_code <= Q4_1, "block_quant_linear: unknown block kind ", kind_code);
+  const Kind kind = static_cast<Kind>(kind_code);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "block_quant_linear: x must be 2-D float32");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
               "block_quant_linear: packed weights must be contiguous 2-D uint8");
   const int64_t m = x.size(0), k = x.size(1), groups = packed.size(0);
-  TORCH_CHECK(packed.size(1) % chunk_bytes(q4) == 0, "block_quant_linear: packed rows are not whole chunks");
-  const Stream w{packed.data_ptr<uint8_t>(), packed.size(1) / chunk_bytes(q4), chunk_bytes(q4)};
+  TORCH_CHECK(packed.size(1) % chunk_bytes(kind) == 0, "block_quant_linear: packed rows are not whole chunks");
+  const Stream w{packed.data_ptr<uint8_t>(), packed.size(1) / chunk_bytes(kind), chunk_bytes(kind)};
   const int64_t kp = w.chunks * CHUNK;
   TORCH_CHECK(k <= kp && n_out <= groups * GROUP, "block_quant_linear: x or n_out larger than the weights");
   auto xc = x.contiguous();
@@ -237,11 +265,12 @@ torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor packed, bool q4,
   std::vector<int8_t> a(static_cast<size_t>(m * kp));
   std::vector<float> scale(static_cast<size_t>(m * blocks));
   std::vector<int32_t> corr(static_cast<size_t>(m * blocks));
+  std::vector<float> scaled_sum(static_cast<size_t>(m * blocks));
   const float* x_p = xc.data_ptr<float>();
-  const int32_t offset = q4 ? 8 : 128;
   for (int64_t r = 0; r < m; ++r)
-    quantize_row(x_p + r * k, k, kp, offset, a.data() + r * kp, scale.data() + r * blocks, corr.data() + r * blocks);
-  const Rows rows{a.data(), scale.data(), corr.data(), kp, blocks};
+    quantize_row(x_p + r * k, k, kp, offset(kind), a.data() + r * kp, scale.data() + r * blocks,
+                 corr.data() + r * blocks, scaled_sum.data() + r * blocks);
+  const Rows rows{a.data(), scale.data(), corr.data(), scaled_sum.data(), kp, blocks};
   float* out_p = out.data_ptr<float>();
   const int64_t live_groups = (n_out + GROUP - 1) / GROUP;
 #if SSD_BQ_VECTOR
@@ -250,17 +279,18 @@ torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor packed, bool q4,
     at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t g0 = p * MAX_G, count = std::min<int64_t>(MAX_G, live_groups - g0);
-        if (q4)
-          groups_vector<true>(w, g0, count, rows, m, out_p, n_out);
-        else
-          groups_vector<false>(w, g0, count, rows, m, out_p, n_out);
+        switch (kind) {
+          case Q8_0: groups_vector<Q8_0>(w, g0, count, rows, m, out_p, n_out); break;
+          case Q4_0: groups_vector<Q4_0>(w, g0, count, rows, m, out_p, n_out); break;
+          case Q4_1: groups_vector<Q4_1>(w, g0, count, rows, m, out_p, n_out); break;
+        }
       }
     });
     return out;
   }
 #endif
   at::parallel_for(0, live_groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) group_portable(w, q4, g, rows, m, out_p, n_out);
+    for (int64_t g = begin; g < end; ++g) group_portable(w, kind, g, rows, m, out_p, n_out);
   });
   return out;
 }
