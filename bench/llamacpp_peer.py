@@ -2,15 +2,18 @@
 thread counts, measured in one run.
 
 Two roles in one file. Run in this project's environment, it loads the suite's prompt sets (HumanEval, chat) as
-token ids, times our engine's greedy decoding of them (the target converted from the same GGUF, float16-packed
-weights: our GGUF import dequantizes; keeping quantized blocks is the open part of the CPU-products issue), then
-starts itself in llama.cpp's environment (``scripts/setup_llamacpp.sh``) with ``--worker`` to time
-llama-cpp-python on the GGUF as it is (plain decoding and its prompt-lookup decoding), and prints the ratios.
+token ids, times our engine's greedy decoding of them in each of ``--formats`` (AR at each thread count, SD,
+SSD and ngram), then starts itself in llama.cpp's environment (``scripts/setup_llamacpp.sh``) with ``--worker``
+to time llama-cpp-python on the GGUF as it is (plain decoding and its prompt-lookup decoding), and prints the
+ratios. Our target: ``fp16-packed`` and ``w8a8`` load the default target (converted from the same GGUF in
+bfloat16); the block formats (``q8_0``, ``q4_0``, ``q4_1``) load the GGUF imported in float32, so that a
+format matching the file's own (Q4_1 for the default target, whose embedding / LM head is Q8_0) holds
+llama.cpp's weights bit for bit.
 Every engine gets the same token ids and produces exactly ``--output-len`` tokens (EOS banned); tok/s is
 generated tokens over wall time, prompt included, one request at a time.
 
     python bench/llamacpp_peer.py --llamacpp-python .venv-llamacpp/bin/python --threads 1,2 \\
-        --json bench/results/llamacpp_peer.json
+        --formats fp16-packed,q4_1 --json bench/results/llamacpp_peer.json
 
 The worker role imports neither torch nor this package.
 """
@@ -95,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--output-len", type=int, default=48)
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (ours and llama.cpp's prompt lookup)")
-    p.add_argument("--w8a8", action="store_true", help="also our w8a8 target (AR at each thread count, SSD)")
+    p.add_argument("--formats", default="fp16-packed,q4_1",
+                   help="our target's weight formats (fp16-packed, w8a8, q8_0, q4_0, q4_1), comma-separated")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     if args.worker:
@@ -107,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from prompt_sets import load_prompt_set
 
     from ssd.models.fetch import fetch_default_gguf, fetch_default_target
+    from ssd.models.gguf_import import convert_gguf
 
     model = str(fetch_default_target())
     gguf = args.gguf or str(fetch_default_gguf())
@@ -122,41 +127,40 @@ def main(argv: list[str] | None = None) -> int:
         peer = json.loads(out.read_text())
     results = {"machine": machine(), "command": "python " + " ".join(sys.argv), "gguf": gguf,
                "llama_cpp_python": peer["llama_cpp_python"], "ours": {}, "llamacpp": peer["runs"], "ratios": {}}
-    for t in threads:
-        results["ours"][f"ar-t{t}"] = ours(model, sets, t, args.output_len, None, "fp16-packed")
     draft = str(Path(__file__).resolve().parent.parent / "models" / "smollm2-draft")
-    for method, label in (("draft_model", "sd-t1"), ("ssd", "ssd-t1+1"), ("ngram", "ngram-t1")):
-        spec = {"method": method, "num_speculative_tokens": args.k, **({} if method == "ngram" else {"model": draft})}
-        results["ours"][label] = ours(model, sets, 1, args.output_len, spec, "fp16-packed")
-    if args.w8a8:  # the quantized target (int8 weights, per-row int8 activations): a different model
-        for t in threads:
-            results["ours"][f"w8a8-ar-t{t}"] = ours(model, sets, t, args.output_len, None, "w8a8")
-        spec = {"method": "ssd", "num_speculative_tokens": args.k, "model": draft}
-        results["ours"]["w8a8-ssd-t1+1"] = ours(model, sets, 1, args.output_len, spec, "w8a8")
     print(f"# {results['machine']['cpu']}; {Path(gguf).name}; llama-cpp-python {peer['llama_cpp_python']}; "
           f"{args.num_prompts} prompts per set, {args.output_len} tokens, batch 1, tok/s HumanEval / chat")
     for t in threads:
-        row = {"ours AR (fp16-packed)": results["ours"][f"ar-t{t}"], "llama.cpp": peer["runs"][f"plain-t{t}"],
-               "llama.cpp prompt lookup": peer["runs"][f"prompt-lookup-t{t}"]}
-        for name, r in row.items():
-            print(f"{t} thread(s)  {name:26s} {r['humaneval']['tok_s']:6.1f} / {r['chat']['tok_s']:6.1f}")
-        ratio = {s["name"]: round(row["ours AR (fp16-packed)"][s["name"]]["tok_s"] / row["llama.cpp"][s["name"]]["tok_s"], 3)
-                 for s in sets}
-        results["ratios"][f"ar_over_llamacpp_t{t}"] = ratio
-        print(f"{t} thread(s)  ar_over_llamacpp {ratio['humaneval']:.2f} / {ratio['chat']:.2f}")
-    for label in [k for k in results["ours"] if not k.startswith("ar-")]:
-        r = results["ours"][label]
-        print(f"ours {label:22s}  {r['humaneval']['tok_s']:6.1f} / {r['chat']['tok_s']:6.1f}")
-    # our fastest mode on the two cores over llama.cpp's fastest on them, per prompt set; float16 weights and,
-    # separately, the w8a8 target
-    for key, quantized in (("best_over_llamacpp_best", False), ("best_w8a8_over_llamacpp_best", True)):
-        mine = [r for label, r in results["ours"].items() if label.startswith("w8a8") == quantized]
-        if not mine:
-            continue
-        best = {s["name"]: round(max(r[s["name"]]["tok_s"] for r in mine)
-                                 / max(r[s["name"]]["tok_s"] for r in peer["runs"].values()), 3) for s in sets}
-        results["ratios"][key] = best
-        print(f"{key}: {best['humaneval']:.2f} / {best['chat']:.2f}")
+        for mode in ("plain", "prompt-lookup"):
+            r = peer["runs"][f"{mode}-t{t}"]
+            print(f"llama.cpp {mode:13s} t{t}       {r['humaneval']['tok_s']:6.1f} / {r['chat']['tok_s']:6.1f}")
+    peer_best = {s["name"]: max(r[s["name"]]["tok_s"] for r in peer["runs"].values()) for s in sets}
+    with tempfile.TemporaryDirectory() as tmp:
+        imported = None
+        for fmt in args.formats.split(","):
+            if fmt in ("q8_0", "q4_0", "q4_1") and imported is None:
+                imported = str(convert_gguf(gguf, Path(tmp) / "imported", dtype="float32"))
+            target = imported if fmt in ("q8_0", "q4_0", "q4_1") else model
+            runs = results["ours"][fmt] = {}
+            for t in threads:
+                runs[f"ar-t{t}"] = ours(target, sets, t, args.output_len, None, fmt)
+            for method, label in (("draft_model", "sd-t1"), ("ssd", "ssd-t1+1"), ("ngram", "ngram-t1")):
+                spec = {"method": method, "num_speculative_tokens": args.k,
+                        **({} if method == "ngram" else {"model": draft})}
+                runs[label] = ours(target, sets, 1, args.output_len, spec, fmt)
+            ratios = results["ratios"][fmt] = {}
+            for t in threads:
+                plain = peer["runs"][f"plain-t{t}"]
+                ratios[f"ar_over_llamacpp_t{t}"] = {
+                    s["name"]: round(runs[f"ar-t{t}"][s["name"]]["tok_s"] / plain[s["name"]]["tok_s"], 3) for s in sets}
+            # our fastest mode on the two cores over llama.cpp's fastest on them, per prompt set
+            ratios["best_over_llamacpp_best"] = {
+                s["name"]: round(max(r[s["name"]]["tok_s"] for r in runs.values()) / peer_best[s["name"]], 3)
+                for s in sets}
+            for label, r in runs.items():
+                print(f"ours {fmt:11s} {label:9s}  {r['humaneval']['tok_s']:6.1f} / {r['chat']['tok_s']:6.1f}")
+            for key, value in ratios.items():
+                print(f"ours {fmt:11s} {key:24s} {value['humaneval']:.2f} / {value['chat']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     return 0
