@@ -8,7 +8,7 @@ to time llama-cpp-python on the GGUF as it is (plain decoding and its prompt-loo
 ratios. Our target: ``fp16-packed`` and ``w8a8`` load the default target (converted from the same GGUF in
 bfloat16); the block formats (``q8_0``, ``q4_0``, ``q4_1``) load the GGUF imported in float32, so that a
 format matching the file's own (Q4_1 for the default target, whose embedding / LM head is Q8_0) holds
-llama.cpp's weights bit for bit.
+llama.cpp's weights bit for bit; ``gguf`` loads it imported with ``keep_blocks`` (the file's blocks as stored).
 Every engine gets the same token ids and produces exactly ``--output-len`` tokens (EOS banned); tok/s is
 generated tokens over wall time, prompt included, one request at a time.
 
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=48)
     p.add_argument("--k", type=int, default=4, help="draft tokens per round (ours and llama.cpp's prompt lookup)")
     p.add_argument("--formats", default="fp16-packed,q4_1",
-                   help="our target's weight formats (fp16-packed, w8a8, q8_0, q4_0, q4_1), comma-separated")
+                   help="our target's weight formats (fp16-packed, w8a8, q8_0, q4_0, q4_1, gguf), comma-separated")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     if args.worker:
@@ -136,11 +136,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"llama.cpp {mode:13s} t{t}       {r['humaneval']['tok_s']:6.1f} / {r['chat']['tok_s']:6.1f}")
     peer_best = {s["name"]: max(r[s["name"]]["tok_s"] for r in peer["runs"].values()) for s in sets}
     with tempfile.TemporaryDirectory() as tmp:
-        imported = None
+        imports: dict[bool, str] = {}  # keep_blocks -> the GGUF imported in float32
+
+        def imported(keep_blocks: bool) -> str:
+            if keep_blocks not in imports:
+                out = Path(tmp) / ("kept" if keep_blocks else "float32")
+                imports[keep_blocks] = str(convert_gguf(gguf, out, dtype="float32", keep_blocks=keep_blocks))
+            return imports[keep_blocks]
+
         for fmt in args.formats.split(","):
-            if fmt in ("q8_0", "q4_0", "q4_1") and imported is None:
-                imported = str(convert_gguf(gguf, Path(tmp) / "imported", dtype="float32"))
-            target = imported if fmt in ("q8_0", "q4_0", "q4_1") else model
+            target = imported(fmt == "gguf") if fmt in ("q8_0", "q4_0", "q4_1", "gguf") else model
             runs = results["ours"][fmt] = {}
             for t in threads:
                 runs[f"ar-t{t}"] = ours(target, sets, t, args.output_len, None, fmt)

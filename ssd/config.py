@@ -186,8 +186,9 @@ class EngineConfig:
         "weights times per-row int8 activations with row-invariant attention (CPU, float32; a quantized model, "
         "exact in every mode); q8_0 / q4_0 / q4_1: GGUF's blocks of 32 int8 / 4-bit weights (q4_1: with a minimum) "
         "times int8 activations in blocks of 32 (C++ kernel, compiled on first use; CPU, float32; quantized like "
-        "w8a8); auto: fp16-packed where dtype auto chose float32 (an explicit float32 keeps float32 weights), "
-        "else dense "
+        "w8a8); gguf: the blocks a GGUF import kept (convert_gguf keep_blocks), the only format of such a "
+        "checkpoint; auto: gguf for such a checkpoint, else fp16-packed where dtype auto chose float32 (an "
+        "explicit float32 keeps float32 weights), else dense "
         "(ssd/models/weight_formats.py)", processes=(RANK,), choices=[f.value for f in TARGET_WEIGHT_FORMATS])
     device: str = option("cpu", "the target's device (cpu, cuda, cuda:1, ...)")
     max_model_len: int | None = option(None, "longest sequence (default: the model's max_position_embeddings, "

@@ -79,10 +79,11 @@ class WeightFormat(_Choice):
     Q8_0 = "q8_0"  # GGUF's blocks of 32 int8 weights, activations in blocks of 32 too (a C++ kernel)
     Q4_0 = "q4_0"  # GGUF's blocks of 32 4-bit weights (LM head in q8_0), activations as for q8_0
     Q4_1 = "q4_1"  # the same with a float16 minimum per block (w = d * q + m), as GGUF's Q4_1
+    GGUF = "gguf"  # the blocks a GGUF import kept (keep_blocks) as stored, LM head in q8_0
     AUTO = "auto"
 
 
-BLOCK_WEIGHT_FORMATS = (WeightFormat.Q8_0, WeightFormat.Q4_0, WeightFormat.Q4_1)  # the C++ kernel's, not FBGEMM's
+BLOCK_WEIGHT_FORMATS = (WeightFormat.Q8_0, WeightFormat.Q4_0, WeightFormat.Q4_1, WeightFormat.GGUF)  # C++ kernel
 TARGET_WEIGHT_FORMATS = (WeightFormat.DENSE, WeightFormat.FP16_PACKED, WeightFormat.W8A8, *BLOCK_WEIGHT_FORMATS,
                          WeightFormat.AUTO)
 PACKED_WEIGHT_FORMATS = (WeightFormat.FP16_PACKED, WeightFormat.INT8_PACKED, WeightFormat.W8A8,

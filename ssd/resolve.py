@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from ssd.config import EngineConfig
 from ssd.dtypes import resolve_dtype
-from ssd.models.weight_formats import resolve_weight_format
+from ssd.models.weight_formats import resolve_weight_format, stores_blocks
 from ssd.options import Dtype, FillerPadding
 
 
@@ -22,7 +22,8 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     is not changed)."""
     dtype = resolve_dtype(config.dtype, config.device)
     weight_format = resolve_weight_format(config.weight_format, config.device, dtype,
-                                          explicit_dtype=config.dtype != Dtype.AUTO)
+                                          explicit_dtype=config.dtype != Dtype.AUTO,
+                                          stored_blocks=stores_blocks(config.model))
     spec = config.spec
     if spec is not None:
         draft_device = spec.draft_device or config.device
@@ -30,7 +31,8 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
         spec = replace(
             spec,
             draft_dtype=draft_dtype,
-            draft_weight_format=resolve_weight_format(spec.draft_weight_format, draft_device, draft_dtype, draft=True),
+            draft_weight_format=resolve_weight_format(spec.draft_weight_format, draft_device, draft_dtype, draft=True,
+                                                      stored_blocks=stores_blocks(spec.model)),
             filler_padding=resolve_filler_padding(spec.filler_padding, config.device),
         )
     return replace(config, dtype=dtype, weight_format=weight_format, speculative_config=spec)

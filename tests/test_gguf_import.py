@@ -586,3 +586,60 @@ def test_a_block_quantized_file_runs_its_own_blocks(checkpoint_factory: Callable
         x = torch.randn(3, weight.shape[1])
         from_file = BlockQuantProduct.from_blocks(Blocks(values, scales, mins), block_kind, weight.shape[1])
         assert torch.equal(BlockQuantProduct(weight, block_kind)(x), from_file(x)), name
+
+
+ATTENTION = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
+
+
+@pytest.mark.parametrize("kinds", [("q4_1", "q4_1"), ("q8_0", "q4_0")])  # attention's kind, the MLP's kind
+def test_an_import_that_keeps_blocks_runs_the_files_blocks(checkpoint_factory: Callable[..., Path], tmp_path: Path,
+                                                           kinds: tuple[str, str]) -> None:
+    """``keep_blocks``: the projections' GGUF bytes are stored as they are (uint8, no float copy) and load as
+    products over them, the same products as the float32 import in the format of the file's type; the model
+    runs in weight format "gguf" (what "auto" means for it) and every mode decodes like AR."""
+    from ssd.llm import LLM
+    from ssd.models import block_quant
+    from ssd.models.block_quant import BlockQuantProduct
+    from ssd.models.loader import load_model
+    from ssd.models.weight_formats import pack_weights
+    from ssd.options import WeightFormat
+    from ssd_utils import assert_every_mode_decodes_like_ar, make_perturbed_draft
+
+    if not block_quant.available():
+        pytest.skip("the block-quantized kernel could not be compiled")
+    ckpt = checkpoint_factory("llama")
+    names = [n for n in load_file(str(ckpt / "model.safetensors")) if n.endswith(PROJECTIONS)]
+    kind_of = {n: kinds[0] if n.endswith(ATTENTION) else kinds[1] for n in names}
+    path = tmp_path / "tiny.gguf"
+    write_gguf_like_llama_cpp(ckpt, path, "llama",
+                              quantize={n: gguf.GGMLQuantizationType[k.upper()] for n, k in kind_of.items()})
+    kept = convert_gguf(path, tmp_path / "kept", dtype="float32", keep_blocks=True)
+    full = convert_gguf(path, tmp_path / "full", dtype="float32")
+    assert json.loads((kept / "config.json").read_text())["quantization_config"]["block_types"] == kind_of
+    stored, floats = load_file(str(kept / "model.safetensors")), load_file(str(full / "model.safetensors"))
+    assert all(stored[n].dtype == torch.uint8 for n in names)
+    assert sum(stored[n].numel() for n in names) < 0.3 * sum(4 * floats[n].numel() for n in names)
+
+    model, _ = load_model(kept, torch.float32)
+    products = {name: m.matmul for name, m in model.named_modules() if isinstance(getattr(m, "matmul", None),
+                                                                               BlockQuantProduct)}
+    assert len(products) == 4 * len(model.layers) and all(products[n].kind.value in kinds for n in products)
+    assert all(model.get_submodule(n).weight.numel() == 0 for n in products)  # no float copy
+    if kinds[0] == kinds[1]:  # the float32 import in the format of the file's type: the same products, bitwise
+        reference, _ = load_model(full, torch.float32)
+        pack_weights(reference, WeightFormat(kinds[0]))
+        for name, product in products.items():
+            x = torch.randn(3, product.in_features)
+            assert torch.equal(product(x), reference.get_submodule(name).matmul(x)), name
+
+    engine = dict(dtype="float32", kv_cache_memory="16MiB", max_model_len=128, block_size=8, seed=0)
+    draft = str(make_perturbed_draft(str(ckpt), tmp_path / "draft", 0.02))
+    assert_every_mode_decodes_like_ar(str(kept), draft, engine)
+    with LLM(str(kept), **engine) as llm:
+        assert llm.engine.config.weight_format is WeightFormat.GGUF
+    with pytest.raises(ValueError, match="stores GGUF blocks"):
+        LLM(str(kept), **engine, weight_format="q8_0")
+    with pytest.raises(ValueError, match="stores none"):
+        LLM(str(full), **engine, weight_format="gguf")
+    with pytest.raises(ValueError, match="run on CPU in float32"):
+        load_model(kept, torch.bfloat16)

@@ -39,6 +39,9 @@ from ssd.models.native import compiles, load_source_file
 BLOCK = 32  # weights sharing one scale
 CHUNK = 64  # the kernel's step along the input: two blocks (inputs are padded to it)
 GROUP = 16  # output channels the kernel takes together, one per vector lane (outputs are padded to it)
+# config.json's quantization_config["quant_method"] of a checkpoint whose projections are stored as GGUF blocks
+# (a GGUF import with keep_blocks); its "block_types" maps each such tensor to its BlockKind value
+STORED_BLOCKS_METHOD = "gguf_blocks"
 
 
 class BlockKind(enum.Enum):
@@ -237,3 +240,11 @@ class BlockQuantProduct:
         out = self.module.block_quant_linear(rows, self.packed, self.kind.code, self.out_features, portable)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if bias is None else out + bias
+
+
+def stored_block_types(hf_config: dict) -> dict[str, BlockKind]:
+    """Checkpoint tensor name -> kind of the projections a checkpoint stores as GGUF blocks (none: {})."""
+    quantization = hf_config.get("quantization_config") or {}
+    if quantization.get("quant_method") != STORED_BLOCKS_METHOD:
+        return {}
+    return {name: BlockKind(kind) for name, kind in quantization.get("block_types", {}).items()}

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ssd.models.block_quant import STORED_BLOCKS_METHOD
 from ssd.models.gguf_config import build_config, generation_config, llama3_rope_divisors
 from ssd.models.gguf_metadata import GGUFMetadata, architecture_spec
 from ssd.models.gguf_tensors import (
@@ -105,8 +106,13 @@ def convert_gguf(
     *,
     overwrite: bool = False,
     source_sha256: str | None = None,
+    keep_blocks: bool = False,
 ) -> Path:
     """Convert a GGUF file into an HF checkpoint folder at `out_dir` and return its path.
+
+    `keep_blocks`: projections stored as Q8_0, Q4_0 or Q4_1 keep the file's blocks (listed in config.json's
+    `quantization_config`, run by the weight format "gguf" on CPU in float32) instead of being dequantized;
+    every other tensor is dequantized to `dtype` as usual.
 
     Tensors are dequantized and written one at a time, so peak memory is about one float32 tensor. The folder
     is assembled in a hidden sibling directory and renamed into place at the end: an interrupted conversion
@@ -129,8 +135,11 @@ def convert_gguf(
     reader = gguf.GGUFReader(str(gguf_path))
     meta = GGUFMetadata(reader)
     spec = architecture_spec(meta.architecture)
-    plan = plan_tensors(reader, meta, spec)
+    plan = plan_tensors(reader, meta, spec, keep_blocks)
     config = build_config(meta, spec, plan, torch_dtype)
+    kept = {item.hf_name: item.block_kind for item in plan.tensors if item.block_kind is not None}
+    if kept:
+        config["quantization_config"] = {"quant_method": STORED_BLOCKS_METHOD, "block_types": kept}
     tokenizer = build_tokenizer(meta)
     tokenizer_config = build_tokenizer_config(meta)
     logger.info(

@@ -3,7 +3,10 @@
 Every tensor is mapped and checked before anything is written (:func:`plan_tensors`), so an unsupported file
 fails fast. Writing then dequantizes one tensor at a time with gguf's reference dequantizer (float32), undoes
 llama.cpp's q/k row permutation for Llama's RoPE, casts to the chosen dtype and appends it to a safetensors
-file whose header is known from the shapes alone: peak memory is about one float32 tensor.
+file whose header is known from the shapes alone: peak memory is about one float32 tensor. With
+``keep_blocks``, projections whose type has a kernel here (Q8_0, Q4_0, Q4_1: ``ssd/models/block_quant.py``) are
+written as their GGUF bytes instead (uint8, ``[out, blocks x block bytes]``, rows unpermuted like the float
+ones), so the model runs the file's own blocks (weight format ``"gguf"``).
 """
 
 from __future__ import annotations
@@ -72,6 +75,14 @@ class TensorPlan:
     hf_name: str
     shape: tuple[int, ...]  # HF (row-major) shape
     rope_heads: int  # > 0: undo llama.cpp's q/k row permutation with this many heads
+    block_kind: str | None = None  # kept as GGUF blocks of this kind ("q8_0", "q4_0", "q4_1"), not dequantized
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        """Shape in the safetensors file: the HF shape, or [out, bytes per row] for kept blocks."""
+        if self.block_kind is None:
+            return self.shape
+        return (self.shape[0], self.gguf_tensor.n_bytes // self.shape[0])
 
 
 @dataclass(frozen=True)
@@ -85,8 +96,13 @@ class ConversionPlan:
     vocab_rows: int
 
 
-def plan_tensors(reader: Any, meta: GGUFMetadata, spec: ArchSpec) -> ConversionPlan:
-    """Map every tensor and validate types and shapes before any output is written (fail fast)."""
+# GGUF types whose blocks the block-quantized kernel runs as stored (``keep_blocks``)
+KEPT_BLOCK_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+
+
+def plan_tensors(reader: Any, meta: GGUFMetadata, spec: ArchSpec, keep_blocks: bool = False) -> ConversionPlan:
+    """Map every tensor and validate types and shapes before any output is written (fail fast); with
+    ``keep_blocks``, projections of a :data:`KEPT_BLOCK_TYPES` type are planned as blocks."""
     import gguf
 
     n_heads = int(meta.arch_required("attention.head_count"))
@@ -113,7 +129,8 @@ def plan_tensors(reader: Any, meta: GGUFMetadata, spec: ArchSpec) -> ConversionP
             rope_heads = n_kv_heads
         if rope_heads and shape[0] % (2 * rope_heads):
             raise ValueError(f"GGUF tensor {tensor.name!r} shape {shape} does not split into {rope_heads} heads")
-        plans.append(TensorPlan(tensor, name, shape, rope_heads))
+        kept = KEPT_BLOCK_TYPES.get(qtype.name) if keep_blocks and name.endswith("_proj.weight") else None
+        plans.append(TensorPlan(tensor, name, shape, rope_heads, kept))
         types[qtype.name] += 1
 
     names = {p.hf_name: p for p in plans}
@@ -170,6 +187,10 @@ def _iter_converted(plan: ConversionPlan, dtype: torch.dtype) -> Iterator[tuple[
 
     for index, item in enumerate(plan.tensors):
         tensor = item.gguf_tensor
+        if item.block_kind is not None:  # the file's bytes; whole rows of blocks, so rows unpermute alike
+            raw = torch.from_numpy(np.array(tensor.data, dtype=np.uint8)).reshape(item.stored_shape)
+            yield item, unpermute_rope_rows(raw, item.rope_heads).contiguous() if item.rope_heads else raw
+            continue
         values = gguf.quants.dequantize(tensor.data, gguf.GGMLQuantizationType(tensor.tensor_type))
         values = np.asarray(values, dtype=np.float32)
         if not (values.flags.writeable and values.flags.c_contiguous):  # F32 data is a read-only file mapping
@@ -188,10 +209,11 @@ def write_safetensors(path: Path, plan: ConversionPlan, dtype: torch.dtype) -> N
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for item in plan.tensors:
-        nbytes = math.prod(item.shape) * element
+        kept = item.block_kind is not None
+        nbytes = math.prod(item.stored_shape) * (1 if kept else element)
         header[item.hf_name] = {
-            "dtype": SAFETENSORS_DTYPE[dtype],
-            "shape": list(item.shape),
+            "dtype": "U8" if kept else SAFETENSORS_DTYPE[dtype],
+            "shape": list(item.stored_shape),
             "data_offsets": [offset, offset + nbytes],
         }
         offset += nbytes

@@ -7,6 +7,10 @@ does not match the architecture fails fast with the list of missing and unexpect
 
 Under tensor parallelism each rank reads only its slice of every split tensor (safetensors slices are read
 lazily from the file), so no rank ever materialises the full model.
+
+Projections a checkpoint stores as GGUF blocks (a GGUF import with ``keep_blocks``; config.json's
+``quantization_config``) become block-quantized products (``ssd/models/block_quant.py``) holding those blocks;
+their float weights are never materialised.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from safetensors import safe_open
 
 from ssd.models.arch import ModelArchConfig
+from ssd.models.block_quant import Blocks, BlockKind, BlockQuantProduct, blocks_from_gguf, stored_block_types
 from ssd.models.decoder import DecoderLM, MergedLinear
 from ssd.models.parallel import SourceSlice
 from ssd.models.registry import get_model_class
@@ -101,6 +106,10 @@ def load_model(
     folder = Path(path)
     cfg = load_arch_config(folder)
     files = _safetensors_files(folder)
+    block_types = stored_block_types(read_hf_config(folder))
+    if block_types and (dtype != torch.float32 or (tp is not None and tp.world_size > 1)):
+        raise ValueError(f"checkpoint {folder} stores GGUF blocks, which run on CPU in float32 on one rank; got "
+                         f"dtype {dtype}{'' if tp is None else f', tensor parallelism {tp.world_size}'}")
 
     with torch.device("meta"):
         model = get_model_class(cfg.architecture)(cfg, dtype=dtype, tp=tp)
@@ -109,10 +118,20 @@ def load_model(
 
     targets = _weight_targets(model)
     plan = _plan_loads(folder, files, targets, cfg)
+    stored: dict[int, list[tuple[int, Blocks, BlockKind]]] = {}  # id(param) -> (first row, blocks, kind)
     for file, names in plan.items():
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for ckpt_name, target_name in names:
                 target = targets[target_name]
+                if ckpt_name in block_types:
+                    rows, in_features = target.view().shape
+                    blocks = blocks_from_gguf(f.get_tensor(ckpt_name), block_types[ckpt_name], in_features)
+                    if blocks.values.shape[0] != rows:
+                        raise ValueError(f"tensor {ckpt_name} in {file} holds {blocks.values.shape[0]} rows of "
+                                         f"blocks, expected {rows} for this config")
+                    first = 0 if target.rows is None else target.rows.start
+                    stored.setdefault(id(target.param), []).append((first, blocks, block_types[ckpt_name]))
+                    continue
                 tensor = target.read(f, ckpt_name)
                 if target.source is not None and target.rows is None:
                     target.param.data.zero_()  # padding rows of a vocabulary shard
@@ -123,9 +142,31 @@ def load_model(
                         f"expected {tuple(dest.shape)} for this config"
                     )
                 dest.copy_(tensor)
+    _attach_blocks(model, stored)
     model.eval()
     logger.info("loaded %s (%d layers) from %s as %s", cfg.architecture, cfg.num_hidden_layers, folder, dtype)
     return model, cfg
+
+
+def _attach_blocks(model: DecoderLM, stored: dict[int, list[tuple[int, Blocks, BlockKind]]]) -> None:
+    """Give each projection whose rows were all stored as blocks of one kind a product over them (the parts of
+    a fused projection stacked in row order) and release its float weight."""
+    for name, module in model.named_modules():
+        parts = stored.pop(id(getattr(module, "weight", None)), None)
+        if parts is None:
+            continue
+        parts.sort(key=lambda part: part[0])
+        kinds = {kind for _, _, kind in parts}
+        rows = sum(blocks.values.shape[0] for _, blocks, _ in parts)
+        if len(kinds) > 1 or rows != module.weight.shape[0]:
+            raise ValueError(f"{name}: its checkpoint tensors must all be stored as blocks of one kind to be kept "
+                             f"(got {sorted(k.value for k in kinds)} for {rows} of {module.weight.shape[0]} rows); "
+                             "import the GGUF file without keep_blocks")
+        kind = kinds.pop()
+        blocks = Blocks(torch.cat([b.values for _, b, _ in parts]), torch.cat([b.scales for _, b, _ in parts]),
+                        torch.cat([b.mins for _, b, _ in parts]) if kind.has_min else None)
+        module.matmul = BlockQuantProduct.from_blocks(blocks, kind, module.weight.shape[1])
+        module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

@@ -20,6 +20,9 @@ Formats (``weight_format`` for the target, ``draft_weight_format`` for the draft
   ``"q4_1"``, a float16 minimum), times activations quantized to int8 in blocks of 32 per row
   (``ssd/models/block_quant.py``); the 4-bit formats keep the LM head in ``"q8_0"``. Batch-invariant; a
   target in them computes attention with the row-invariant kernel and is a quantized model, like ``"w8a8"``;
+- ``"gguf"``: the same kernel over the blocks a checkpoint stores (a GGUF import with ``keep_blocks``: its
+  Q8_0 / Q4_0 / Q4_1 projections as the file holds them), the LM head (and any projection stored in float)
+  in ``"q8_0"``; the only format such a checkpoint runs in, and what ``"auto"`` means for it;
 - ``"auto"`` (both defaults): for a target, ``"fp16-packed"`` where it applies, else ``"dense"``; it applies
   only when ``dtype="auto"`` chose float32 (on any CPU with FBGEMM: float16 weights in this GEMM are the
   fastest precision for few-row products there, see ``ssd/dtypes.py``, and finer than bfloat16); an explicit
@@ -39,8 +42,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ssd.models.block_quant import BlockKind, BlockQuantProduct
+from ssd.models.block_quant import BlockKind, BlockQuantProduct, stored_block_types
 from ssd.models.block_quant import available as block_kernel_available
+from ssd.models.loader import read_hf_config
 from ssd.models.packed_fp16 import PackedFp16Product
 from ssd.models.packed_int8 import PackedInt8Product
 from ssd.models.rowwise_int8 import RowwiseInt8Product, has_vnni
@@ -56,19 +60,37 @@ def fbgemm_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
+def stores_blocks(model: str | None) -> bool:
+    """Whether the checkpoint folder ``model`` stores GGUF blocks (False where it cannot be read: the loader
+    reports that)."""
+    try:
+        return model is not None and bool(stored_block_types(read_hf_config(model)))
+    except (OSError, ValueError):
+        return False
+
+
 def resolve_weight_format(
     weight_format: WeightFormat | str, device: str, dtype: Dtype | str, explicit_dtype: bool = False,
-    draft: bool = False,
+    draft: bool = False, stored_blocks: bool = False,
 ) -> WeightFormat:
     """The concrete format (not ``"auto"``) of a model on ``device`` in ``dtype`` (a resolved dtype name);
     ``explicit_dtype``: the user named the dtype (a target's ``"auto"`` then keeps dense weights); ``draft``:
-    the model is a draft (``"int8-packed"`` allowed). Raises ``ValueError`` for an unknown format or a packed
-    format that cannot run there."""
+    the model is a draft (``"int8-packed"`` allowed); ``stored_blocks``: its checkpoint stores GGUF blocks
+    (:func:`stores_blocks`), which run in ``"gguf"`` only. Raises ``ValueError`` for an unknown format or a
+    packed format that cannot run there."""
     allowed = list(WeightFormat) if draft else TARGET_WEIGHT_FORMATS
     if weight_format not in allowed:
         raise ValueError(f"weight format {weight_format!r} is not supported; choose one of "
                          f"{[f.value for f in allowed]}")
     weight_format = WeightFormat(weight_format)
+    if stored_blocks:
+        if weight_format not in (WeightFormat.AUTO, WeightFormat.GGUF):
+            raise ValueError(f"this checkpoint stores GGUF blocks (imported with keep_blocks), which run in weight "
+                             f"format 'gguf' (or 'auto'); got {weight_format.value!r}")
+        weight_format = WeightFormat.GGUF
+    elif weight_format is WeightFormat.GGUF:
+        raise ValueError("weight format 'gguf' runs the blocks a GGUF import kept (convert_gguf(..., "
+                         "keep_blocks=True)); this checkpoint stores none")
     on_cpu = str(device).startswith("cpu") and dtype == Dtype.FLOAT32
     applies = on_cpu and fbgemm_available()
     if weight_format in BLOCK_WEIGHT_FORMATS:
@@ -101,6 +123,8 @@ def pack_weights(model: nn.Module, weight_format: WeightFormat) -> int:
                          f"{[f.value for f in PACKED_WEIGHT_FORMATS]}")
     count = 0
     for name, module in model.named_modules():
+        if isinstance(getattr(module, "matmul", None), BlockQuantProduct):
+            continue  # stored as GGUF blocks: already a product over them
         if isinstance(module, nn.Linear) and hasattr(module, "matmul"):
             module.matmul = _product(weight_format, name)(module.weight)
             module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
@@ -114,7 +138,8 @@ def _product(weight_format: WeightFormat, name: str) -> Callable[[torch.Tensor],
     if weight_format == WeightFormat.W8A8:
         return RowwiseInt8Product
     if weight_format in BLOCK_WEIGHT_FORMATS:
-        kind = BlockKind.Q8_0 if name == "lm_head" else BlockKind(weight_format.value)
+        in_q8_0 = name == "lm_head" or weight_format is WeightFormat.GGUF  # the head; a float one beside blocks
+        kind = BlockKind.Q8_0 if in_q8_0 else BlockKind(weight_format.value)
         return functools.partial(BlockQuantProduct, kind=kind)
     if weight_format == WeightFormat.INT8_PACKED and not name.endswith(INT8_EXEMPT + ("lm_head",)):
         return PackedInt8Product
