@@ -22,11 +22,12 @@ from ssd.models.block_quant import (
 from ssd.models.loader import load_model
 from ssd.models.weight_formats import pack_weights, resolve_weight_format
 from ssd.options import WeightFormat
+from gguf_utils import random_q4_k
 from ssd_utils import assert_every_mode_decodes_like_ar, make_perturbed_draft
 
 pytestmark = pytest.mark.skipif(not block_quant.available(), reason="the block-quantized kernel could not be compiled")
 
-KINDS = list(BlockKind)
+KINDS = [kind for kind in BlockKind if kind is not BlockKind.Q4_K]  # with a quantizer here (Q4_K: files only)
 GGUF_TYPES = {kind: gguf.GGMLQuantizationType[kind.name] for kind in KINDS}
 # Relative error of the product against the float one: ~1% (8-bit) and ~10% (4-bit) of its norm.
 QUANTIZATION_ERROR = {BlockKind.Q8_0: 0.02, BlockKind.Q4_0: 0.15, BlockKind.Q4_1: 0.15}
@@ -171,3 +172,28 @@ def test_every_mode_and_batch_shape_of_a_block_quantized_target_decodes_the_same
     draft = str(make_perturbed_draft(target, tmp_path / "draft", 0.02))
     assert_every_mode_decodes_like_ar(target, draft, {**ENGINE, "weight_format": target_format}, draft_format,
                                       ngram_k=2)
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(5, 256), (40, 512)])
+def test_q4_k_blocks_read_bit_for_bit_and_multiply_like_the_reference(out_features, in_features):
+    """Q4_K (GGUF files only): super-blocks of 256 with 6-bit block scales and minimums read bit for bit
+    against the gguf package; the product against float64, the portable path against the vector one, and a
+    row's bits alone and beside companions."""
+    raw = random_q4_k(out_features, in_features, seed=7)
+    blocks = blocks_from_gguf(torch.from_numpy(raw), BlockKind.Q4_K, in_features)
+    reference = quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
+    assert torch.equal(blocks.dequantize(), torch.from_numpy(reference))
+    product = BlockQuantProduct.from_blocks(blocks, BlockKind.Q4_K, in_features)
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(9, in_features, generator=gen)
+    exact = _activations(x) @ torch.from_numpy(reference).double().T
+    torch.testing.assert_close(product(x).double(), exact, rtol=1e-4, atol=1e-4 * exact.abs().max().item())
+    assert torch.equal(product(x, portable=True), product(x))
+    alone = product(x[4:5])
+    for companions in (1, 6, 17):
+        batch = torch.cat([torch.randn(companions, in_features, generator=gen), x[4:5]])
+        assert torch.equal(product(batch)[-1], alone[0])
+    with pytest.raises(ValueError, match="no quantizer"):
+        BlockQuantProduct(torch.randn(4, 256), BlockKind.Q4_K)
+    with pytest.raises(ValueError, match="blocks of 256"):
+        blocks_from_gguf(torch.from_numpy(raw), BlockKind.Q4_K, 128)

@@ -38,6 +38,7 @@ from ssd.models.fetch import (  # noqa: E402
     find_local_wheel,
 )
 from ssd.models.gguf_import import ImportRecord, convert_gguf, llama3_rope_divisors  # noqa: E402
+from gguf_utils import random_q4_k  # noqa: E402
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
@@ -152,8 +153,9 @@ def write_gguf_like_llama_cpp(
         if qtype is None:
             writer.add_tensor(_gguf_name(name), np.ascontiguousarray(data))
             expected[name] = tensor.float()
-        else:
-            packed = gguf.quants.quantize(data, qtype)
+        else:  # types gguf cannot quantize (K-quants) get random blocks: the expected tensor is what they mean
+            quantizable = qtype != gguf.GGMLQuantizationType.Q4_K
+            packed = gguf.quants.quantize(data, qtype) if quantizable else random_q4_k(*data.shape, seed=len(expected))
             writer.add_tensor(_gguf_name(name), packed, raw_dtype=qtype)
             restored = gguf.quants.dequantize(packed, qtype).reshape(data.shape)
             if heads:  # invert the permutation, test-side
@@ -589,11 +591,18 @@ def test_a_block_quantized_file_runs_its_own_blocks(checkpoint_factory: Callable
 
 
 ATTENTION = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
+# name -> the GGUF type each projection is stored in, per case
+KEPT_CASES = {
+    "q4_1": lambda name: "q4_1",
+    "q8_0-attention-q4_0-mlp": lambda name: "q8_0" if name.endswith(ATTENTION) else "q4_0",
+    # as llama.cpp's Q4_K_M mixes: v in another type, so the fused q/k/v is dequantized (and runs in q8_0)
+    "q4_k-v-q8_0": lambda name: "q8_0" if name.endswith("v_proj.weight") else "q4_k",
+}
 
 
-@pytest.mark.parametrize("kinds", [("q4_1", "q4_1"), ("q8_0", "q4_0")])  # attention's kind, the MLP's kind
+@pytest.mark.parametrize("case", list(KEPT_CASES))
 def test_an_import_that_keeps_blocks_runs_the_files_blocks(checkpoint_factory: Callable[..., Path], tmp_path: Path,
-                                                           kinds: tuple[str, str]) -> None:
+                                                           case: str) -> None:
     """``keep_blocks``: the projections' GGUF bytes are stored as they are (uint8, no float copy) and load as
     products over them, the same products as the float32 import in the format of the file's type; the model
     runs in weight format "gguf" (what "auto" means for it) and every mode decodes like AR."""
@@ -607,12 +616,12 @@ def test_an_import_that_keeps_blocks_runs_the_files_blocks(checkpoint_factory: C
 
     if not block_quant.available():
         pytest.skip("the block-quantized kernel could not be compiled")
-    ckpt = checkpoint_factory("llama")
+    ckpt = checkpoint_factory("llama", hidden_size=256, intermediate_size=256)  # whole Q4_K super-blocks
     names = [n for n in load_file(str(ckpt / "model.safetensors")) if n.endswith(PROJECTIONS)]
-    kind_of = {n: kinds[0] if n.endswith(ATTENTION) else kinds[1] for n in names}
+    kind_of = {n: KEPT_CASES[case](n) for n in names}
     path = tmp_path / "tiny.gguf"
-    write_gguf_like_llama_cpp(ckpt, path, "llama",
-                              quantize={n: gguf.GGMLQuantizationType[k.upper()] for n, k in kind_of.items()})
+    expected = write_gguf_like_llama_cpp(ckpt, path, "llama",
+                                         quantize={n: gguf.GGMLQuantizationType[k.upper()] for n, k in kind_of.items()})
     kept = convert_gguf(path, tmp_path / "kept", dtype="float32", keep_blocks=True)
     full = convert_gguf(path, tmp_path / "full", dtype="float32")
     assert json.loads((kept / "config.json").read_text())["quantization_config"]["block_types"] == kind_of
@@ -623,11 +632,18 @@ def test_an_import_that_keeps_blocks_runs_the_files_blocks(checkpoint_factory: C
     model, _ = load_model(kept, torch.float32)
     products = {name: m.matmul for name, m in model.named_modules() if isinstance(getattr(m, "matmul", None),
                                                                                BlockQuantProduct)}
-    assert len(products) == 4 * len(model.layers) and all(products[n].kind.value in kinds for n in products)
+    fused_qkv_mixed = len({kind_of[n] for n in names if n.endswith(ATTENTION[:3])}) > 1
+    assert len(products) == (3 if fused_qkv_mixed else 4) * len(model.layers)
     assert all(model.get_submodule(n).weight.numel() == 0 for n in products)  # no float copy
-    if kinds[0] == kinds[1]:  # the float32 import in the format of the file's type: the same products, bitwise
+    for name, product in products.items():  # each product holds exactly the file's weights
+        parent, fused = name.rsplit(".", 1)
+        weight = torch.cat([expected[f"model.{parent}.{part}.weight"] for part in _FUSED[fused]])
+        x = torch.randn(2, product.in_features, dtype=torch.float64)
+        torch.testing.assert_close(product(x.float()).double(), _block_activations(x) @ weight.double().T,
+                                   rtol=1e-4, atol=1e-4)
+    if case == "q4_1":  # the float32 import in the format of the file's type: the same products, bit for bit
         reference, _ = load_model(full, torch.float32)
-        pack_weights(reference, WeightFormat(kinds[0]))
+        pack_weights(reference, WeightFormat.Q4_1)
         for name, product in products.items():
             x = torch.randn(3, product.in_features)
             assert torch.equal(product(x), reference.get_submodule(name).matmul(x)), name
@@ -643,3 +659,15 @@ def test_an_import_that_keeps_blocks_runs_the_files_blocks(checkpoint_factory: C
         LLM(str(full), **engine, weight_format="gguf")
     with pytest.raises(ValueError, match="run on CPU in float32"):
         load_model(kept, torch.bfloat16)
+
+
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+          "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
+
+
+def _block_activations(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the block kernels quantize it: per row and block of 32, ``round(x / s) * s``, ``s = max|x| / 127``."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    q = torch.round(blocks * torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale)))
+    return (q * scale).double().view_as(x)

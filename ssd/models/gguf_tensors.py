@@ -4,7 +4,7 @@ Every tensor is mapped and checked before anything is written (:func:`plan_tenso
 fails fast. Writing then dequantizes one tensor at a time with gguf's reference dequantizer (float32), undoes
 llama.cpp's q/k row permutation for Llama's RoPE, casts to the chosen dtype and appends it to a safetensors
 file whose header is known from the shapes alone: peak memory is about one float32 tensor. With
-``keep_blocks``, projections whose type has a kernel here (Q8_0, Q4_0, Q4_1: ``ssd/models/block_quant.py``) are
+``keep_blocks``, projections whose type has a kernel here (Q8_0, Q4_0, Q4_1, Q4_K: ``ssd/models/block_quant.py``) are
 written as their GGUF bytes instead (uint8, ``[out, blocks x block bytes]``, rows unpermuted like the float
 ones), so the model runs the file's own blocks (weight format ``"gguf"``).
 """
@@ -97,7 +97,7 @@ class ConversionPlan:
 
 
 # GGUF types whose blocks the block-quantized kernel runs as stored (``keep_blocks``)
-KEPT_BLOCK_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+KEPT_BLOCK_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k"}
 
 
 def plan_tensors(reader: Any, meta: GGUFMetadata, spec: ArchSpec, keep_blocks: bool = False) -> ConversionPlan:

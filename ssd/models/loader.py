@@ -150,7 +150,9 @@ def load_model(
 
 def _attach_blocks(model: DecoderLM, stored: dict[int, list[tuple[int, Blocks, BlockKind]]]) -> None:
     """Give each projection whose rows were all stored as blocks of one kind a product over them (the parts of
-    a fused projection stacked in row order) and release its float weight."""
+    a fused projection stacked in row order) and release its float weight. A fused projection whose parts
+    differ (llama.cpp's mixes such as Q4_K_M store some v projections in Q6_K) gets its blocks dequantized into
+    its float weight instead, which its weight format then quantizes like any float matrix."""
     for name, module in model.named_modules():
         parts = stored.pop(id(getattr(module, "weight", None)), None)
         if parts is None:
@@ -158,15 +160,24 @@ def _attach_blocks(model: DecoderLM, stored: dict[int, list[tuple[int, Blocks, B
         parts.sort(key=lambda part: part[0])
         kinds = {kind for _, _, kind in parts}
         rows = sum(blocks.values.shape[0] for _, blocks, _ in parts)
+        in_features = module.weight.shape[1]
         if len(kinds) > 1 or rows != module.weight.shape[0]:
-            raise ValueError(f"{name}: its checkpoint tensors must all be stored as blocks of one kind to be kept "
-                             f"(got {sorted(k.value for k in kinds)} for {rows} of {module.weight.shape[0]} rows); "
-                             "import the GGUF file without keep_blocks")
+            logger.info("%s: parts stored as %s and float: dequantized", name, sorted(k.value for k in kinds))
+            for first, blocks, _ in parts:
+                module.weight.data[first : first + blocks.values.shape[0]] = blocks.dequantize()[:, :in_features]
+            continue
         kind = kinds.pop()
-        blocks = Blocks(torch.cat([b.values for _, b, _ in parts]), torch.cat([b.scales for _, b, _ in parts]),
-                        torch.cat([b.mins for _, b, _ in parts]) if kind.has_min else None)
-        module.matmul = BlockQuantProduct.from_blocks(blocks, kind, module.weight.shape[1])
+        module.matmul = BlockQuantProduct.from_blocks(_stacked([blocks for _, blocks, _ in parts]), kind, in_features)
         module.weight = torch.nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+
+
+def _stacked(parts: list[Blocks]) -> Blocks:
+    """Blocks of several row ranges, in order, as one."""
+    def cat(field: str) -> torch.Tensor | None:
+        tensors = [getattr(part, field) for part in parts]
+        return None if tensors[0] is None else torch.cat(tensors)
+
+    return Blocks(cat("values"), cat("scales"), cat("mins"), cat("supers"))
 
 
 def _safetensors_files(folder: Path) -> list[Path]:

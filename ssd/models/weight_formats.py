@@ -21,8 +21,9 @@ Formats (``weight_format`` for the target, ``draft_weight_format`` for the draft
   (``ssd/models/block_quant.py``); the 4-bit formats keep the LM head in ``"q8_0"``. Batch-invariant; a
   target in them computes attention with the row-invariant kernel and is a quantized model, like ``"w8a8"``;
 - ``"gguf"``: the same kernel over the blocks a checkpoint stores (a GGUF import with ``keep_blocks``: its
-  Q8_0 / Q4_0 / Q4_1 projections as the file holds them), the LM head (and any projection stored in float)
-  in ``"q8_0"``; the only format such a checkpoint runs in, and what ``"auto"`` means for it;
+  Q8_0 / Q4_0 / Q4_1 / Q4_K projections as the file holds them), the LM head (and any projection stored in
+  float, or fused from parts of different types) in ``"q8_0"``; the only format such a checkpoint runs in, and
+  what ``"auto"`` means for it;
 - ``"auto"`` (both defaults): for a target, ``"fp16-packed"`` where it applies, else ``"dense"``; it applies
   only when ``dtype="auto"`` chose float32 (on any CPU with FBGEMM: float16 weights in this GEMM are the
   fastest precision for few-row products there, see ``ssd/dtypes.py``, and finer than bfloat16); an explicit

@@ -1,6 +1,7 @@
 // Block-quantized products on CPU: y = x @ W.T with W held in blocks of 32 weights sharing one float16 scale
-// (q8_0: int8 values; q4_0: 4-bit values minus 8; q4_1: 4-bit values and a float16 minimum, w = d * q + m; as
-// GGUF stores them) and x quantized to int8 in blocks of 32 per row (one float scale per block, as llama.cpp
+// (q8_0: int8 values; q4_0: 4-bit values minus 8; q4_1: 4-bit values and a float16 minimum, w = d * q + m;
+// q4_k: 4-bit values, w = (d * s) * q - (dmin * m) with 6-bit s, m per block and d, dmin per 256; as GGUF
+// stores them) and x quantized to int8 in blocks of 32 per row (one float scale per block, as llama.cpp
 // quantizes its activations). Documented in block_quant.py.
 //
 // Layout: output channels in groups of 16, one per 32-bit lane of an AVX-512 register, so one VNNI
@@ -10,12 +11,14 @@
 // sequential stream of 64-input chunks:
 //   [chunk] = [scales: block 0's 16 float16, block 1's 16 float16] ([minimums, likewise: q4_1])
 //             [block 0 values] [block 1 values]
+//   q4_k: [the super-block's 16 d, 16 -dmin (float16)] [16 + 16 scale bytes] [16 + 16 minimum bytes] [values]
 //   q8_0 block values: 8 x 64 bytes; vector t, lane j = channel j's inputs 4t..4t+3 as unsigned q + 128;
 //   q4_0 / q4_1 block values: 4 x 64 bytes; vector v, lane j, byte i: low nibble = channel j's input 4v + i,
 //   high nibble = its input 16 + 4v + i, each q in 0..15 (q4_0: meaning q - 8).
 // Weights are unsigned and activations signed (the broadcast operand of VNNI is the signed one); the offset
 // (128 or 8) times the activations' block sum is subtracted once per row and block; q4_1 adds instead its
-// minimum times the activations' block sum times their scale.
+// minimum times the activations' block sum times their scale; q4_k's block scale d * s and minimum
+// -dmin * m are exact float products, formed per block and group before the rows use them.
 //
 // The arithmetic of one output (row r, channel n) is fixed whatever else shares the call: for each block b in
 // order, the exact int32 sum t_b = sum(u * a) - offset * sum(a), then acc = fma(float(t_b), d_w * s_a, acc)
@@ -45,12 +48,13 @@ constexpr int64_t CHUNK = 64;   // inputs per chunk of the stream: two blocks
 constexpr int64_t GROUP = 16;   // output channels per group: one per lane
 constexpr int64_t SCALE_BYTES = 2 * GROUP * 2;  // a chunk's float16 scales (and as many for q4_1's minimums)
 
-enum Kind : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };  // as BlockKind.code in block_quant.py
+enum Kind : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3 };  // as BlockKind.code in block_quant.py
 
 constexpr bool nibbles(Kind kind) { return kind != Q8_0; }
 constexpr int32_t offset(Kind kind) { return kind == Q8_0 ? 128 : kind == Q4_0 ? 8 : 0; }
+constexpr bool has_min(Kind kind) { return kind == Q4_1 || kind == Q4_K; }
 inline int64_t block_value_bytes(Kind kind) { return GROUP * (nibbles(kind) ? BLOCK / 2 : BLOCK); }
-inline int64_t values_at(Kind kind) { return kind == Q4_1 ? 2 * SCALE_BYTES : SCALE_BYTES; }
+inline int64_t values_at(Kind kind) { return has_min(kind) ? 2 * SCALE_BYTES : SCALE_BYTES; }
 inline int64_t chunk_bytes(Kind kind) { return values_at(kind) + 2 * block_value_bytes(kind); }
 
 // The rows, quantized: a [m, kp] int8, per (row, block) its scale, -offset x the block's sum of a, and
@@ -117,11 +121,19 @@ void group_portable(const Stream& w, Kind kind, int64_t group, const Rows& rows,
         const int8_t* a = rows.a + r * rows.kp + b * BLOCK;
         int32_t t = rows.corr[r * rows.blocks + b];
         for (int64_t i = 0; i < BLOCK; ++i) t += weight_at(values, kind, j, i) * a[i];
-        const int64_t cell = ((b % 2) * GROUP + j) * 2;
-        const float s = half_at(chunk + cell) * rows.scale[r * rows.blocks + b];
+        float d, min;
+        if (kind == Q4_K) {
+          const int64_t byte = SCALE_BYTES + (b % 2) * GROUP + j;
+          d = half_at(chunk + 2 * j) * static_cast<float>(chunk[byte]);
+          min = half_at(chunk + 2 * (GROUP + j)) * static_cast<float>(chunk[byte + 2 * GROUP]);
+        } else {
+          const int64_t cell = ((b % 2) * GROUP + j) * 2;
+          d = half_at(chunk + cell);
+          min = kind == Q4_1 ? half_at(chunk + SCALE_BYTES + cell) : 0.f;
+        }
+        const float s = d * rows.scale[r * rows.blocks + b];
         acc = std::fma(static_cast<float>(t), s, acc);
-        if (kind == Q4_1)
-          acc = std::fma(half_at(chunk + SCALE_BYTES + cell), rows.scaled_sum[r * rows.blocks + b], acc);
+        if (has_min(kind)) acc = std::fma(min, rows.scaled_sum[r * rows.blocks + b], acc);
       }
       out[r * n_out + group * GROUP + j] = acc;
     }
@@ -130,6 +142,14 @@ void group_portable(const Stream& w, Kind kind, int64_t group, const Rows& rows,
 
 #if SSD_BQ_VECTOR
 constexpr int64_t PREFETCH_BYTES = 1024;  // how far ahead of the pass each group's stream is fetched
+
+inline __m512 halves16(const uint8_t* p) {  // 16 float16 as float
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+inline __m512 bytes16(const uint8_t* p) {  // 16 unsigned bytes as float
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 
 inline __m512i broadcast4(const int8_t* a) {
   int32_t v;
@@ -188,15 +208,19 @@ void tile(const Stream& w, int64_t g0, const Rows& rows, int64_t r0, float* out,
         }
       }
       for (int g = 0; g < G; ++g) {
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk[g] + h * 32)));
-        __m512 mins = _mm512_setzero_ps();
-        if constexpr (K == Q4_1)
-          mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk[g] + SCALE_BYTES + h * 32)));
+        __m512 d, mins = _mm512_setzero_ps();
+        if constexpr (K == Q4_K) {
+          d = _mm512_mul_ps(halves16(chunk[g]), bytes16(chunk[g] + SCALE_BYTES + h * GROUP));
+          mins = _mm512_mul_ps(halves16(chunk[g] + 2 * GROUP), bytes16(chunk[g] + SCALE_BYTES + (2 + h) * GROUP));
+        } else {
+          d = halves16(chunk[g] + h * 2 * GROUP);
+          if constexpr (K == Q4_1) mins = halves16(chunk[g] + SCALE_BYTES + h * 2 * GROUP);
+        }
         for (int r = 0; r < R; ++r) {
           const int64_t cell = (r0 + r) * rows.blocks + b;
           const __m512 s = _mm512_mul_ps(d, _mm512_set1_ps(rows.scale[cell]));
           acc[g][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[g][r]), s, acc[g][r]);
-          if constexpr (K == Q4_1) acc[g][r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(rows.scaled_sum[cell]), acc[g][r]);
+          if constexpr (has_min(K)) acc[g][r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(rows.scaled_sum[cell]), acc[g][r]);
         }
       }
     }
@@ -248,7 +272,7 @@ bool vectorized() { return SSD_BQ_VECTOR != 0; }
 // portable path even where the vector one was compiled (tests compare them).
 torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor packed, int64_t kind_code, int64_t n_out,
                                  bool portable) {
-  TORCH_CHECK(kind_code >= Q8_0 && kind_code <= Q4_1, "block_quant_linear: unknown block kind ", kind_code);
+  TORCH_CHECK(kind_code >= Q8_0 && kind_code <= Q4_K, "block_quant_linear: unknown block kind ", kind_code);
   const Kind kind = static_cast<Kind>(kind_code);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "block_quant_linear: x must be 2-D float32");
   TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
@@ -283,6 +307,7 @@ torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor packed, int64_t 
           case Q8_0: groups_vector<Q8_0>(w, g0, count, rows, m, out_p, n_out); break;
           case Q4_0: groups_vector<Q4_0>(w, g0, count, rows, m, out_p, n_out); break;
           case Q4_1: groups_vector<Q4_1>(w, g0, count, rows, m, out_p, n_out); break;
+          case Q4_K: groups_vector<Q4_K>(w, g0, count, rows, m, out_p, n_out); break;
         }
       }
     });
