@@ -8,8 +8,9 @@ values and a float16 minimum (``w = d * q + m``, the block's range in 15 steps),
 / Q4_1 tensors are used as stored, and a float checkpoint is quantized at load the way llama.cpp's converter
 does. Q4_K (super-blocks of 256: float16 ``d`` and ``dmin``, 6-bit scale and minimum per block of 32, ``w = d
 * s * q - dmin * m``) runs as a GGUF file stores it (there is no quantizer for it here); the kernel forms each
-block's scale and minimum from them (exact float products), and holds it in 5 bits per weight (the file: 4.5). Activations are quantized per block of 32 (``s = max|x| / 127``), as llama.cpp's CPU kernels do
-for these formats: finer than one scale per row (``"w8a8"``), so outlier channels cost less precision.
+block's scale and minimum from them (exact float products), and holds it in 5 bits per weight (the file: 4.5).
+Activations are quantized per block of 32 (``s = max|x| / 127``), as llama.cpp's CPU kernels do for these
+formats: finer than one scale per row (``"w8a8"``), so outlier channels cost less precision.
 
 Why a kernel of our own: a decode step, a verification (K + 1 rows) or an SSD tree step (a row per branch)
 multiplies a few rows by every weight, so on CPU it should cost what reading the weights costs. PyTorch's
