@@ -20,7 +20,10 @@ from ssd.cpu_features import cpu_flags
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+# at::parallel_for is OpenMP inline in ATen's headers: without -fopenmp its pragma is ignored and a kernel runs
+# on one thread whatever torch.set_num_threads says. Linking libgomp.so.1 binds to the copy torch has loaded.
+LDFLAGS = ["-fopenmp"]
 
 
 def native_name(stem: str) -> str:
@@ -32,7 +35,8 @@ def load_source_file(stem: str, filename: str):
     """The extension compiled from ``csrc/filename`` (raises where no compiler or ninja is available)."""
     from torch.utils.cpp_extension import load
 
-    return load(name=native_name(stem), sources=[str(SOURCE_DIR / filename)], extra_cflags=CFLAGS, verbose=False)
+    return load(name=native_name(stem), sources=[str(SOURCE_DIR / filename)], extra_cflags=CFLAGS,
+                extra_ldflags=LDFLAGS, verbose=False)
 
 
 def load_inline_source(stem: str, source: str, functions: list[str]):
@@ -40,7 +44,7 @@ def load_inline_source(stem: str, source: str, functions: list[str]):
     from torch.utils.cpp_extension import load_inline
 
     return load_inline(name=native_name(stem), cpp_sources=source, functions=functions, extra_cflags=CFLAGS,
-                       verbose=False)
+                       extra_ldflags=LDFLAGS, verbose=False)
 
 
 def compiles(load: Callable[[], object], what: str) -> bool:
