@@ -5,7 +5,9 @@ Each kernel is built with ``-march=native`` so that its fixed-order loops become
 this CPU, and with ``-ffp-contract=off`` so that the compiler never fuses a multiply and an add the source
 wrote apart (a fused and an unfused path would round differently). The module name carries a hash of the
 CPU's flags, so a cache shared between machines never loads a binary built for another CPU; every mode of an
-engine on one machine runs the same binary, which is what batch invariance needs.
+engine on one machine runs the same binary, which is what batch invariance needs. Kernels are built with
+OpenMP so that ``at::parallel_for`` uses torch's threads (each output is still computed by one thread, in one
+fixed order, so results do not depend on the thread count).
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from ssd.cpu_features import cpu_flags
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
 # at::parallel_for is OpenMP inline in ATen's headers: without -fopenmp its pragma is ignored and a kernel runs
 # on one thread whatever torch.set_num_threads says. Linking libgomp.so.1 binds to the copy torch has loaded.
-LDFLAGS = ["-fopenmp"]
+# A compiler without OpenMP still builds the kernels, single-threaded.
+OPENMP = ["-fopenmp"]
 
 
 def native_name(stem: str) -> str:
@@ -31,20 +34,31 @@ def native_name(stem: str) -> str:
     return f"{stem}_{hashlib.sha1(' '.join(sorted(cpu_flags())).encode()).hexdigest()[:10]}"
 
 
+def _with_openmp(build: Callable[[list[str], list[str]], object], stem: str):
+    """``build(cflags, ldflags)`` with OpenMP, or without it where that fails."""
+    try:
+        return build(CFLAGS + OPENMP, OPENMP)
+    except Exception as exc:  # e.g. a compiler without OpenMP: one thread is still correct
+        logger.warning("%s: building with OpenMP failed (%s); building it single-threaded", stem, exc)
+        return build(CFLAGS, [])
+
+
 def load_source_file(stem: str, filename: str):
     """The extension compiled from ``csrc/filename`` (raises where no compiler or ninja is available)."""
     from torch.utils.cpp_extension import load
 
-    return load(name=native_name(stem), sources=[str(SOURCE_DIR / filename)], extra_cflags=CFLAGS,
-                extra_ldflags=LDFLAGS, verbose=False)
+    return _with_openmp(lambda cflags, ldflags: load(
+        name=native_name(stem), sources=[str(SOURCE_DIR / filename)], extra_cflags=cflags, extra_ldflags=ldflags,
+        verbose=False), stem)
 
 
 def load_inline_source(stem: str, source: str, functions: list[str]):
     """The extension compiled from the C++ text ``source`` exposing ``functions``."""
     from torch.utils.cpp_extension import load_inline
 
-    return load_inline(name=native_name(stem), cpp_sources=source, functions=functions, extra_cflags=CFLAGS,
-                       extra_ldflags=LDFLAGS, verbose=False)
+    return _with_openmp(lambda cflags, ldflags: load_inline(
+        name=native_name(stem), cpp_sources=source, functions=functions, extra_cflags=cflags,
+        extra_ldflags=ldflags, verbose=False), stem)
 
 
 def compiles(load: Callable[[], object], what: str) -> bool:
