@@ -13,7 +13,7 @@
 //             [block 0 values] [block 1 values]
 //   q4_k: [the super-block's 16 d, 16 -dmin (float16)] [16 + 16 scale bytes] [16 + 16 minimum bytes] [values]
 //   q8_0 block values: 8 x 64 bytes; vector t, lane j = channel j's inputs 4t..4t+3 as unsigned q + 128;
-//   q4_0 / q4_1 block values: 4 x 64 bytes; vector v, lane j, byte i: low nibble = channel j's input 4v + i,
+//   4-bit block values: 4 x 64 bytes; vector v, lane j, byte i: low nibble = channel j's input 4v + i,
 //   high nibble = its input 16 + 4v + i, each q in 0..15 (q4_0: meaning q - 8).
 // Weights are unsigned and activations signed (the broadcast operand of VNNI is the signed one); the offset
 // (128 or 8) times the activations' block sum is subtracted once per row and block; q4_1 adds instead its
@@ -22,7 +22,7 @@
 //
 // The arithmetic of one output (row r, channel n) is fixed whatever else shares the call: for each block b in
 // order, the exact int32 sum t_b = sum(u * a) - offset * sum(a), then acc = fma(float(t_b), d_w * s_a, acc)
-// with d_w * s_a rounded to float first (q4_1: then acc = fma(m_w, s_a * sum(a), acc)). The vector path and
+// with d_w * s_a rounded to float first (q4_1, q4_k: then acc = fma(m_w, s_a * sum(a), acc)). The vector path and
 // the portable path perform exactly these operations, so they agree bitwise, and a row's result never depends
 // on the number or values of other rows.
 #include <torch/extension.h>
@@ -46,7 +46,7 @@ namespace {
 constexpr int64_t BLOCK = 32;   // weights (and activations) sharing one scale
 constexpr int64_t CHUNK = 64;   // inputs per chunk of the stream: two blocks
 constexpr int64_t GROUP = 16;   // output channels per group: one per lane
-constexpr int64_t SCALE_BYTES = 2 * GROUP * 2;  // a chunk's float16 scales (and as many for q4_1's minimums)
+constexpr int64_t SCALE_BYTES = 2 * GROUP * 2;  // a chunk's float16 scales (q4_1, q4_k: as many again)
 
 enum Kind : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3 };  // as BlockKind.code in block_quant.py
 
@@ -58,7 +58,7 @@ inline int64_t values_at(Kind kind) { return has_min(kind) ? 2 * SCALE_BYTES : S
 inline int64_t chunk_bytes(Kind kind) { return values_at(kind) + 2 * block_value_bytes(kind); }
 
 // The rows, quantized: a [m, kp] int8, per (row, block) its scale, -offset x the block's sum of a, and
-// scale x the block's sum of a (q4_1's minimum multiplies it).
+// scale x the block's sum of a (the minimum of q4_1 and q4_k multiplies it).
 struct Rows {
   const int8_t* a;
   const float* scale;
