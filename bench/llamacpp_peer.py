@@ -2,18 +2,19 @@
 thread counts, measured in one run.
 
 Two roles in one file. Run in this project's environment, it loads the suite's prompt sets (HumanEval, chat) as
-token ids, times our engine's greedy decoding of them in each of ``--formats`` (AR at each thread count, SD,
-SSD and ngram), then starts itself in llama.cpp's environment (``scripts/setup_llamacpp.sh``) with ``--worker``
-to time llama-cpp-python on the GGUF as it is (plain decoding and its prompt-lookup decoding), and prints the
-ratios. Our target: ``fp16-packed`` and ``w8a8`` load the default target (converted from the same GGUF in
-bfloat16); the block formats (``q8_0``, ``q4_0``, ``q4_1``) load the GGUF imported in float32, so that a
-format matching the file's own (Q4_1 for the default target, whose embedding / LM head is Q8_0) holds
-llama.cpp's weights bit for bit; ``gguf`` loads it imported with ``keep_blocks`` (the file's blocks as stored).
+token ids, times our engine's greedy decoding of them in each of ``--formats`` (AR, SD and ngram at each thread
+count, SSD with the target on one core and the draft on another), then starts itself in llama.cpp's
+environment (``scripts/setup_llamacpp.sh``) with ``--worker`` to time llama-cpp-python on the GGUF as it is
+(plain decoding and its prompt-lookup decoding), and prints the ratios. Our target: ``fp16-packed`` and
+``w8a8`` load the default target (converted from the same GGUF in bfloat16); the block formats (``q8_0``,
+``q4_0``, ``q4_1``) load the GGUF imported in float32, so that a format matching the file's own (Q4_1 for the
+default target, whose embedding / LM head is Q8_0) holds llama.cpp's weights bit for bit; ``gguf`` loads it
+imported with ``keep_blocks`` (the file's blocks as stored).
 Every engine gets the same token ids and produces exactly ``--output-len`` tokens (EOS banned); tok/s is
 generated tokens over wall time, prompt included, one request at a time.
 
     python bench/llamacpp_peer.py --llamacpp-python .venv-llamacpp/bin/python --threads 1,2 \\
-        --formats fp16-packed,q4_1 --json bench/results/llamacpp_peer.json
+        --formats fp16-packed,q8_0,q4_1,gguf --json bench/results/llamacpp_peer.json
 
 The worker role imports neither torch nor this package.
 """
@@ -147,12 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         for fmt in args.formats.split(","):
             target = imported(fmt == "gguf") if fmt in ("q8_0", "q4_0", "q4_1", "gguf") else model
             runs = results["ours"][fmt] = {}
-            for t in threads:
-                runs[f"ar-t{t}"] = ours(target, sets, t, args.output_len, None, fmt)
-            for method, label in (("draft_model", "sd-t1"), ("ssd", "ssd-t1+1"), ("ngram", "ngram-t1")):
-                spec = {"method": method, "num_speculative_tokens": args.k,
-                        **({} if method == "ngram" else {"model": draft})}
-                runs[label] = ours(target, sets, 1, args.output_len, spec, fmt)
+            for method, label in ((None, "ar"), ("draft_model", "sd"), ("ngram", "ngram"), ("ssd", "ssd")):
+                spec = None if method is None else {"method": method, "num_speculative_tokens": args.k,
+                                                    **({} if method == "ngram" else {"model": draft})}
+                for t in [1] if method == "ssd" else threads:  # SSD: the target's core plus the draft's
+                    runs[f"{label}-t{t}" + ("+1" if method == "ssd" else "")] = ours(target, sets, t, args.output_len,
+                                                                                      spec, fmt)
             ratios = results["ratios"][fmt] = {}
             for t in threads:
                 plain = peer["runs"][f"plain-t{t}"]
