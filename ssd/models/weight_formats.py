@@ -43,9 +43,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ssd.models.block_quant import BlockKind, BlockQuantProduct, stored_block_types
+from ssd.models.block_quant import BlockKind, BlockQuantProduct
 from ssd.models.block_quant import available as block_kernel_available
-from ssd.models.loader import read_hf_config
 from ssd.models.packed_fp16 import PackedFp16Product
 from ssd.models.packed_int8 import PackedInt8Product
 from ssd.models.rowwise_int8 import RowwiseInt8Product, has_vnni
@@ -61,15 +60,6 @@ def fbgemm_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines
 
 
-def stores_blocks(model: str | None) -> bool:
-    """Whether the checkpoint folder ``model`` stores GGUF blocks (False where it cannot be read: the loader
-    reports that)."""
-    try:
-        return model is not None and bool(stored_block_types(read_hf_config(model)))
-    except (OSError, ValueError):
-        return False
-
-
 def resolve_weight_format(
     weight_format: WeightFormat | str, device: str, dtype: Dtype | str, explicit_dtype: bool = False,
     draft: bool = False, stored_blocks: bool = False,
@@ -77,7 +67,7 @@ def resolve_weight_format(
     """The concrete format (not ``"auto"``) of a model on ``device`` in ``dtype`` (a resolved dtype name);
     ``explicit_dtype``: the user named the dtype (a target's ``"auto"`` then keeps dense weights); ``draft``:
     the model is a draft (``"int8-packed"`` allowed); ``stored_blocks``: its checkpoint stores GGUF blocks
-    (:func:`stores_blocks`), which run in ``"gguf"`` only. Raises ``ValueError`` for an unknown format or a
+    (``loader.stores_blocks``), which run in ``"gguf"`` only. Raises ``ValueError`` for an unknown format or a
     packed format that cannot run there."""
     allowed = list(WeightFormat) if draft else TARGET_WEIGHT_FORMATS
     if weight_format not in allowed:
