@@ -70,9 +70,9 @@ class ModelRunner:
         fused_kernels: bool = True,
     ) -> None:
         if row_invariant_attention and not row_attention_available():  # before paying for the weights
-            raise ValueError(f"{model_path}: row-invariant attention (which a w8a8 target needs) requires its "
-                             "kernel, which could not be compiled here (see the warning above: a C++ compiler "
-                             "and ninja are needed)")
+            raise ValueError(f"{model_path}: row-invariant attention (which a target with quantized activations "
+                             "needs) requires its kernel, which could not be compiled here (see the warning above: "
+                             "a C++ compiler and ninja are needed)")
         self.device = torch.device(device)
         self.dtype = torch_dtype(resolve_dtype(dtype, str(self.device)))
         self.block_size = block_size

@@ -135,48 +135,51 @@ struct RowHead {
   float* o;        // output vector
   int64_t row;     // index into the sequence's rows (mask row)
   int64_t n;       // visible keys so far
+  float denom;     // the softmax's denominator
 };
+
+// For each slot in order, its 16-wide chunks of ``cache`` (keys or values) in registers, then
+// body(i, item, x, k) for every item that sees it, k being the slot's index among the ones item sees.
+template <int64_t chunks, typename Body>
+inline void for_each_visible(const float* cache, int64_t Hkv, int64_t kvh, const int64_t* slots, int64_t L,
+                             const bool* const* visible, std::vector<RowHead>& items, Body body) {
+  constexpr int64_t D = chunks * LANES;
+  __m512 x[chunks];
+  for (RowHead& it : items) it.n = 0;
+  for (int64_t j = 0; j < L; ++j) {
+    const float* row = cache + (slots[j] * Hkv + kvh) * D;
+    for (int64_t c = 0; c < chunks; ++c) x[c] = _mm512_loadu_ps(row + c * LANES);
+    for (size_t i = 0; i < items.size(); ++i) {
+      RowHead& it = items[i];
+      if (visible[it.row] == nullptr || visible[it.row][j]) body(static_cast<int64_t>(i), it, x, it.n++);
+    }
+  }
+}
 
 template <int64_t chunks>  // head size / 16, a constant so that the chunk loops unroll and x stays in registers
 void attend_group_vector(const float* k_p, const float* v_p, int64_t Hkv, int64_t kvh, const int64_t* slots,
                          int64_t L, const bool* const* visible, std::vector<RowHead>& items, float s,
                          std::vector<float>& scores, std::vector<float>& acc) {
   constexpr int64_t D = chunks * LANES;
-  const int64_t count = static_cast<int64_t>(items.size());
-  scores.resize(static_cast<size_t>(count * L));
-  acc.assign(static_cast<size_t>(count * D), 0.f);
-  __m512 x[chunks];
-  for (int64_t j = 0; j < L; ++j) {
-    const float* kv = k_p + (slots[j] * Hkv + kvh) * D;
-    for (int64_t c = 0; c < chunks; ++c) x[c] = _mm512_loadu_ps(kv + c * LANES);
-    for (int64_t i = 0; i < count; ++i) {
-      RowHead& it = items[i];
-      if (visible[it.row] != nullptr && !visible[it.row][j]) continue;
-      __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(it.q), x[0]);
-      for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(it.q + c * LANES), x[c], dot);
-      scores[i * L + it.n++] = _mm512_reduce_add_ps(dot) * s;
-    }
-  }
-  std::vector<float> denom(static_cast<size_t>(count));
-  for (int64_t i = 0; i < count; ++i) {
-    denom[i] = softmax_vector(scores.data() + i * L, items[i].n);
-    items[i].n = 0;
-  }
-  for (int64_t j = 0; j < L; ++j) {
-    const float* vv = v_p + (slots[j] * Hkv + kvh) * D;
-    for (int64_t c = 0; c < chunks; ++c) x[c] = _mm512_loadu_ps(vv + c * LANES);
-    for (int64_t i = 0; i < count; ++i) {
-      RowHead& it = items[i];
-      if (visible[it.row] != nullptr && !visible[it.row][j]) continue;
-      const __m512 w = _mm512_set1_ps(scores[i * L + it.n++]);
-      float* a = acc.data() + i * D;
-      for (int64_t c = 0; c < chunks; ++c)
-        _mm512_storeu_ps(a + c * LANES, _mm512_fmadd_ps(w, x[c], _mm512_loadu_ps(a + c * LANES)));
-    }
-  }
-  for (int64_t i = 0; i < count; ++i) {
+  scores.resize(items.size() * static_cast<size_t>(L));
+  acc.assign(items.size() * static_cast<size_t>(D), 0.f);
+  for_each_visible<chunks>(k_p, Hkv, kvh, slots, L, visible, items,
+                           [&](int64_t i, RowHead& it, const __m512* x, int64_t k) {
+    __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(it.q), x[0]);
+    for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(it.q + c * LANES), x[c], dot);
+    scores[i * L + k] = _mm512_reduce_add_ps(dot) * s;
+  });
+  for (size_t i = 0; i < items.size(); ++i) items[i].denom = softmax_vector(scores.data() + i * L, items[i].n);
+  for_each_visible<chunks>(v_p, Hkv, kvh, slots, L, visible, items,
+                           [&](int64_t i, RowHead&, const __m512* x, int64_t k) {
+    const __m512 w = _mm512_set1_ps(scores[i * L + k]);
+    float* a = acc.data() + i * D;
+    for (int64_t c = 0; c < chunks; ++c)
+      _mm512_storeu_ps(a + c * LANES, _mm512_fmadd_ps(w, x[c], _mm512_loadu_ps(a + c * LANES)));
+  });
+  for (size_t i = 0; i < items.size(); ++i) {
     const RowHead& it = items[i];
-    const __m512 d = _mm512_set1_ps(it.n > 0 ? denom[i] : 1.f);
+    const __m512 d = _mm512_set1_ps(it.n > 0 ? it.denom : 1.f);
     for (int64_t c = 0; c < chunks; ++c)
       _mm512_storeu_ps(it.o + c * LANES,
                        it.n > 0 ? _mm512_div_ps(_mm512_loadu_ps(acc.data() + i * D + c * LANES), d)
@@ -227,7 +230,7 @@ torch::Tensor row_attention(torch::Tensor query, torch::Tensor key_cache, torch:
           visible[q] = mask_p == nullptr ? nullptr : mask_p + (b * Q + q) * L;
           if (t < 0 || t >= T) continue;  // a padding row
           for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h)
-            items.push_back({q_p + (t * H + h) * D, o_p + (t * H + h) * D, q, 0});
+            items.push_back({q_p + (t * H + h) * D, o_p + (t * H + h) * D, q, 0, 0.f});
         }
         if (items.empty()) continue;
         const int64_t* slots = slot_p + b * L;

@@ -175,8 +175,7 @@ def fetch_default_target(
     `keep_blocks`: the file's quantized projections are kept as they are (`convert_gguf`; they run in weight
     format "gguf", in float32, which `dtype` must be), in `<cache>/models/SmolLM2-135M-Instruct-blocks`.
     """
-    resolve_dtype(dtype)  # reject a bad dtype before any download
-    if keep_blocks and resolve_dtype(dtype) != torch.float32:
+    if resolve_dtype(dtype) != torch.float32 and keep_blocks:  # (a bad dtype is rejected before any download)
         raise ValueError(f"a conversion that keeps the GGUF blocks runs in float32; got dtype {dtype!r}")
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = cache / "models" / (model.folder_name + ("-blocks" if keep_blocks else ""))

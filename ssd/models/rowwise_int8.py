@@ -24,8 +24,9 @@ a last-bit matter in float weights (fp16-packed logits differ by ~6e-5 between t
 target) that per-row activation rounding amplifies (a flipped rounding step, then 30 layers: 4.5 in the
 logits), so SD and SSD would not reproduce AR. A w8a8 target therefore computes attention with the
 row-invariant kernel (``ssd/executor/row_attention.py``), with which its logits are bitwise identical on all
-three paths (``bench/step_invariance.py``). A w8a8 target is a different model from its checkpoint. Quality: on the default target, teacher-forced top-1 agreement with its float32 checkpoint is 90%
-(fp16-packed: 100%; ``bench/quant_agreement.py``); a draft's numerics only change its acceptance, which
+three paths (``bench/step_invariance.py``). A w8a8 target is a different model from its checkpoint. Quality:
+on the default target, teacher-forced top-1 agreement with its float32 checkpoint is 90% (fp16-packed: 100%;
+``bench/quant_agreement.py``); a draft's numerics only change its acceptance, which
 stayed within noise (``train/measure.py``, K = 4: 2.54 / 1.86 / 2.77 vs 2.52 / 1.87 / 2.81 in float16 on
 HumanEval-style / chat / HumanEval).
 """
