@@ -74,7 +74,7 @@ def test_a_row_gets_the_same_bits_alone_and_beside_any_companions(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17])
+@pytest.mark.parametrize("rows", [1, 3, 5, 7, 12, 13, 25])  # one pass, one of 12, passes of 7 + 6, 9 + 8 + 8
 def test_the_portable_path_gives_the_vector_paths_bits(kind, rows):
     gen = torch.Generator().manual_seed(2)
     product = BlockQuantProduct(torch.randn(44, 300, generator=gen), kind)

@@ -17,7 +17,7 @@ multiplies a few rows by every weight, so on CPU it should cost what reading the
 int8 / int4 weight-only CPU kernels cost by rows (~2.3-2.9x at 5 rows on Zen 4) and llama.cpp's do too (~3.8x
 at 5 rows for Q4_K_M). This kernel (``csrc/block_quant.cpp``) puts 16 output channels in the 16 lanes of an
 AVX-512 register, so one VNNI instruction adds four products to each of them: a block of 32 inputs costs
-8 instructions per row and 16 channels, the weights are read once and used by up to 6 rows from registers,
+8 instructions per row and 16 channels, the weights are read once and used by up to 12 rows from registers,
 and the float work per block (convert, scale, add) is shared by 16 channels. ``bench/cpu_products.py``
 measures it against the others on the machine at hand.
 
