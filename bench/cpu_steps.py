@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_products import machine  # noqa: E402
 from gpu_steps import BLOCK, Driver, random_model, step_inputs, time_step  # noqa: E402
 
+from ssd.models import cpu_fused  # noqa: E402
 from ssd.models.weight_formats import pack_weights  # noqa: E402
 from ssd.options import WeightFormat  # noqa: E402
 
@@ -37,19 +38,28 @@ DEFAULT_DRAFT = dict(SMOLLM2_135M, num_hidden_layers=4, vocab_size=12288)
 QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                   num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
 MODELS = {"smollm2-135m": SMOLLM2_135M, "default-draft": DEFAULT_DRAFT, "qwen2.5-1.5b": QWEN25_15B}
-FORMATS = ("fp16-packed", "int8-packed", "w8a8", "w8a8+row-attention", "q8_0+row-attention", "q4_0+row-attention",
-           "q4_1+row-attention")
-# +row-attention: as a target with quantized activations (w8a8, q8_0, q4_0, q4_1) runs
+FORMATS = ("fp16-packed", "fp16-packed+fused", "int8-packed", "w8a8", "w8a8+row-attention",
+           "q8_0+row-attention", "q8_0+row-attention+fused", "q4_0+row-attention+fused", "q4_1+row-attention+fused")
+# +row-attention: as a target with quantized activations (w8a8, q8_0, q4_0, q4_1) runs; +fused: the layers' glue
+# (residual add + norm, RoPE + K/V write) through the C++ kernels of ssd/models/cpu_fused.py, as the engine runs
+# float32 models on CPU by default (fused_kernels=True)
+OPTIONS = ("row-attention", "fused")
 STEPS = {"decode": (1, False), "verify5": (5, False), "tree8": (8, True), "tree16": (16, True)}
 
 
 def time_model(shape: dict, fmt: str, context: int, warmup: int, iters: int) -> dict[str, float]:
-    """Median ms per step of a random model in ``fmt`` (a weight format, with ``+row-attention``: attention
-    computed by the row-invariant kernel, as w8a8 targets run)."""
+    """Median ms per step of a random model in ``fmt``: a weight format and options (:data:`OPTIONS`) joined by
+    ``+``."""
+    weight_format, *options = fmt.split("+")
+    if set(options) - set(OPTIONS):
+        raise SystemExit(f"unknown options in {fmt!r}; known: {OPTIONS}")
     model = random_model(shape, torch.float32, torch.device("cpu"))
-    weight_format, _, attention = fmt.partition("+")
     pack_weights(model, WeightFormat(weight_format))
-    driver = Driver(model, num_blocks=-(-(context + 32) // BLOCK), row_invariant=bool(attention))
+    if "fused" in options:
+        if not cpu_fused.available():
+            raise SystemExit("the fused CPU kernels could not be compiled here")
+        model.enable_fused_kernels(kernels=cpu_fused)
+    driver = Driver(model, num_blocks=-(-(context + 32) // BLOCK), row_invariant="row-attention" in options)
     device = torch.device("cpu")
     ms = {}
     for name, (queries, tree) in STEPS.items():

@@ -210,8 +210,8 @@ class EngineConfig:
     distributed_timeout_s: float = option(300.0, "a collective stuck this long means a rank is gone")
     enforce_eager: bool = option(False, "CUDA: never capture CUDA graphs (no effect on CPU)")
     compile_model: bool = option(False, "CUDA: torch.compile the forward of graph-captured steps")
-    fused_kernels: bool = option(True, "CUDA with Triton: fused norm, RoPE + K/V write, SiLU and attention kernels",
-                                 processes=(RANK, DRAFT))
+    fused_kernels: bool = option(True, "fused norm, RoPE + K/V write and SiLU kernels (and attention on CUDA): "
+                                 "Triton on CUDA, C++ for float32 on CPU", processes=(RANK, DRAFT))
     speculative_config: SpeculativeConfig | dict[str, Any] | None = field(default=None)
 
     def __post_init__(self) -> None:

@@ -28,7 +28,7 @@ from ssd.executor.memory import available_memory_bytes
 from ssd.executor.row_attention import available as row_attention_available
 from ssd.models.arch import ModelArchConfig
 from ssd.models.draft_vocab import DraftVocab
-from ssd.models.decoder import fused_kernels_usable
+from ssd.models.decoder import fused_kernels_for
 from ssd.models.loader import load_model
 from ssd.models.weight_formats import pack_weights
 from ssd.options import PACKED_WEIGHT_FORMATS, WeightFormat
@@ -81,9 +81,10 @@ class ModelRunner:
         self.model, self.arch = load_model(model_path, dtype=self.dtype, device=self.device, tp=tp)
         self.model.eval()
         compiled = graphs is not None and graphs.compile  # torch.compile fuses the PyTorch ops by itself
-        if fused_kernels and not compiled and fused_kernels_usable(self.device, self.model.head_dim):
-            self.model.enable_fused_kernels()
-            logger.info("fused Triton kernels on for %s", model_path)
+        kernels = fused_kernels_for(self.device, self.dtype, self.model.head_dim) if fused_kernels else None
+        if kernels is not None and not compiled:
+            self.model.enable_fused_kernels(kernels=kernels)
+            logger.info("fused kernels (%s) on for %s", kernels.__name__, model_path)
         self.weight_format = weight_format
         self.row_invariant_attention = row_invariant_attention
         if weight_format in PACKED_WEIGHT_FORMATS:

@@ -9,8 +9,9 @@ Projections that read the same input are fused (q/k/v, gate/up) into :class:`Mer
 output shards tell the loader where each HF tensor goes and tell a tensor-parallel split how to cut the
 weight column-wise per shard (o_proj and down_proj are the row-wise halves).
 
-RoPE lives in :mod:`ssd.models.rope`. On CUDA, :meth:`DecoderLM.enable_fused_kernels` switches every layer to
-its ``fused_forward``: the same arithmetic through the Triton kernels of :mod:`ssd.models.fused_kernels`.
+RoPE lives in :mod:`ssd.models.rope`. :meth:`DecoderLM.enable_fused_kernels` switches every layer to its
+``fused_forward``: the same arithmetic through fused kernels, the Triton ones of :mod:`ssd.models.fused_kernels`
+on CUDA or the C++ ones of :mod:`ssd.models.cpu_fused` for float32 on CPU (:func:`fused_kernels_for` picks).
 """
 
 from __future__ import annotations
@@ -54,6 +55,16 @@ if TYPE_CHECKING:
 def fused_kernels_fit(head_dim: int) -> bool:
     """The fused kernels' tiles need a power-of-two head size of at least 16."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+def fused_kernels_for(device: torch.device | str, dtype: torch.dtype, head_dim: int) -> "ModuleType | None":
+    """The fused kernels a model on ``device`` in ``dtype`` runs: the Triton module where
+    :func:`fused_kernels_usable`, the C++ one for float32 on CPU where it compiled, else None."""
+    if fused_kernels_usable(device, head_dim):
+        return importlib.import_module("ssd.models.fused_kernels")
+    from ssd.models import cpu_fused
+
+    return cpu_fused if cpu_fused.usable(device, dtype) else None
 
 
 def fused_kernels_usable(device: torch.device | str, head_dim: int) -> bool:
@@ -280,15 +291,19 @@ class DecoderLM(nn.Module):
         self.lm_head = (
             None if cfg.tie_word_embeddings else VocabParallelHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         )
-        self.kernels: ModuleType | None = None  # fused_kernels once enable_fused_kernels() has run
+        self.kernels: ModuleType | None = None  # the fused kernels' module once enable_fused_kernels() has run
 
-    def enable_fused_kernels(self, enabled: bool = True, attention_cols_per_split: int | None = None) -> None:
-        """Run norms, RoPE + K/V writes, SiLU and fixed-shape attention through fused Triton kernels
-        (ssd/models/fused_kernels.py); the caller checks :func:`fused_kernels_usable` (or runs Triton's
-        interpreter). ``attention_cols_per_split`` overrides the attention kernel's keys per program (tuning)."""
-        if enabled and not fused_kernels_fit(self.head_dim):
-            raise ValueError(f"fused kernels need a power-of-two head_dim >= 16, this model has {self.head_dim}")
-        self.kernels = importlib.import_module("ssd.models.fused_kernels") if enabled else None
+    def enable_fused_kernels(self, enabled: bool = True, attention_cols_per_split: int | None = None,
+                             kernels: "ModuleType | None" = None) -> None:
+        """Run norms, RoPE + K/V writes, SiLU and fixed-shape attention through fused kernels: ``kernels``, a
+        module with :mod:`ssd.models.fused_kernels`' functions (:func:`fused_kernels_for` chooses), by default
+        the Triton one (the caller checks :func:`fused_kernels_usable`, or runs Triton's interpreter).
+        ``attention_cols_per_split`` overrides the Triton attention kernel's keys per program (tuning)."""
+        if enabled and kernels is None:
+            if not fused_kernels_fit(self.head_dim):
+                raise ValueError(f"fused kernels need a power-of-two head_dim >= 16, this model has {self.head_dim}")
+            kernels = importlib.import_module("ssd.models.fused_kernels")
+        self.kernels = kernels if enabled else None
         for layer in self.layers:
             layer.self_attn.cols_per_split = attention_cols_per_split
 

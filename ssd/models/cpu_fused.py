@@ -1,0 +1,82 @@
+"""The fused-kernel interface of :mod:`ssd.models.fused_kernels` for float32 models on CPU.
+
+A decoder step of a small model on CPU spends as much time dispatching PyTorch's small operators as computing:
+per layer, the two RMSNorms (six operators each), the residual adds, RoPE (eight operators per tensor) and the
+two K/V cache writes are ~30 calls on a few hundred floats each. :meth:`ssd.models.decoder.DecoderLM.
+enable_fused_kernels` with this module runs each layer through ``fused_forward`` instead, where a C++ kernel
+(``csrc/cpu_fused.cpp``, compiled on first use like the other CPU kernels, ``ssd/models/native.py``) does the
+residual add with the norm after it, and RoPE with the cache write, in one call each.
+
+Numerics: RoPE gives the unfused path's bits (products rounded, then the sum); the norm sums its squares in a
+fixed order of its own (16 lanes combined pairwise), so its last bits can differ from PyTorch's ``mean``. Every
+row is computed alone, so results never depend on the rows beside them or the thread count, and every mode of
+an engine runs the same kernels: speculative outputs still equal autoregressive ones.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from ssd.executor.attention import DenseAttentionMetadata, KVCache
+from ssd.executor.attention import dense_attention as _dense_attention
+from ssd.models.native import compiles, load_source_file
+
+
+@functools.cache
+def _module():
+    return load_source_file("ssd_cpu_fused", "cpu_fused.cpp")
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernels compiled (or were found compiled) on this machine; logs why not."""
+    return compiles(_module, "fused CPU kernels")
+
+
+def usable(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether a model on ``device`` in ``dtype`` can run through this module: float32 on CPU, kernels built."""
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and available()
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` (or ``x`` when None), then ``(rms_norm(h) * weight, h)``; ``x`` is ``[T, hidden]``."""
+    return _module().add_rms_norm(x, residual, weight, float(eps))
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,  # [T, (H + 2*Hkv) * D], rows contiguous
+    cos: torch.Tensor,  # [T, 1, D/2]
+    sin: torch.Tensor,  # [T, 1, D/2]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """Rotate the q heads of ``qkv`` in place and write rotated k and plain v to their cache slots.
+    Returns the rotated queries ``[T, H, D]`` (a view of ``qkv``)."""
+    _module().rope_write_kv(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
+    return qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of the fused ``[T, 2*I]`` gate/up projection; returns ``[T, I]`` (PyTorch's vectorised
+    SiLU: two operators, already as fast as a loop of ours would be without a vector exponential)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
+def dense_attention(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, kv_slots: torch.Tensor,
+    mask: torch.Tensor, scale: float, cols_per_split: int | None = None,
+) -> torch.Tensor:
+    """Attention of the fixed-shape layout (``DenseAttentionMetadata``) by the PyTorch path of
+    :func:`ssd.executor.attention.dense_attention` (``cols_per_split`` tunes the CUDA kernel only)."""
+    meta = DenseAttentionMetadata(slot_mapping=kv_slots.new_empty(0), kv_slots=kv_slots, mask=mask)
+    return _dense_attention(query, KVCache(key_cache, value_cache), meta, scale)
