@@ -5,7 +5,8 @@ Speculation pays on CPU only if checking K + 1 positions costs about what one de
 keeps up only if a tree step of many branches does too. This times the engine's model forward (paged attention
 over ``--context`` cached tokens, every projection, the LM head on every row a step samples) with random weights
 in the shapes of the default target (SmolLM2-135M), the default draft and Qwen2.5-1.5B, each packed in every
-weight format that applies, one format after the other in one process.
+weight format that applies (Qwen2.5-1.5B: ``--big-formats``, fewer, to fit the memory), all held at once and
+timed side by side: each round times one call of every step of every format.
 
     python bench/cpu_steps.py --threads 1 --json bench/results/cpu_products.json
 
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -26,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cpu_products import machine  # noqa: E402
-from gpu_steps import BLOCK, Driver, random_model, step_inputs, time_step  # noqa: E402
+from gpu_steps import BLOCK, Driver, random_model, step_inputs  # noqa: E402
 
 from ssd.models import cpu_fused  # noqa: E402
 from ssd.models.weight_formats import pack_weights  # noqa: E402
@@ -38,18 +41,19 @@ DEFAULT_DRAFT = dict(SMOLLM2_135M, num_hidden_layers=4, vocab_size=12288)
 QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                   num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
 MODELS = {"smollm2-135m": SMOLLM2_135M, "default-draft": DEFAULT_DRAFT, "qwen2.5-1.5b": QWEN25_15B}
-FORMATS = ("fp16-packed", "fp16-packed+fused", "int8-packed", "w8a8", "w8a8+row-attention",
-           "q8_0+row-attention", "q8_0+row-attention+fused", "q4_0+row-attention+fused", "q4_1+row-attention+fused")
+FORMATS = ("fp16-packed", "fp16-packed+fused", "w8a8+fused", "w8a8+row-attention+fused", "q8_0+row-attention",
+           "q8_0+row-attention+fused", "q4_0+row-attention+fused", "q4_1+row-attention+fused")
 # +row-attention: as a target with quantized activations (w8a8, q8_0, q4_0, q4_1) runs; +fused: the layers' glue
 # (residual add + norm, RoPE + K/V write) through the C++ kernels of ssd/models/cpu_fused.py, as the engine runs
 # float32 models on CPU by default (fused_kernels=True)
 OPTIONS = ("row-attention", "fused")
+BIG_FORMATS = ("fp16-packed+fused", "q8_0+row-attention+fused", "q4_0+row-attention+fused")  # ~4 GB each at 1.5B
 STEPS = {"decode": (1, False), "verify5": (5, False), "tree8": (8, True), "tree16": (16, True)}
 
 
-def time_model(shape: dict, fmt: str, context: int, warmup: int, iters: int) -> dict[str, float]:
-    """Median ms per step of a random model in ``fmt``: a weight format and options (:data:`OPTIONS`) joined by
-    ``+``."""
+def build_driver(shape: dict, fmt: str, context: int) -> Driver:
+    """A random model of ``shape`` in ``fmt`` (a weight format and options of :data:`OPTIONS` joined by ``+``)
+    over a paged cache of ``context`` tokens and more."""
     weight_format, *options = fmt.split("+")
     if set(options) - set(OPTIONS):
         raise SystemExit(f"unknown options in {fmt!r}; known: {OPTIONS}")
@@ -59,14 +63,25 @@ def time_model(shape: dict, fmt: str, context: int, warmup: int, iters: int) -> 
         if not cpu_fused.available():
             raise SystemExit("the fused CPU kernels could not be compiled here")
         model.enable_fused_kernels(kernels=cpu_fused)
-    driver = Driver(model, num_blocks=-(-(context + 32) // BLOCK), row_invariant="row-attention" in options)
-    device = torch.device("cpu")
-    ms = {}
-    for name, (queries, tree) in STEPS.items():
-        kv_len = context + queries
-        ms[name] = round(time_step(driver, step_inputs(queries, kv_len, tree, shape["vocab_size"]), warmup, iters,
-                                   device), 2)
-    return ms
+    return Driver(model, num_blocks=-(-(context + 32) // BLOCK), row_invariant="row-attention" in options)
+
+
+def time_models(shape: dict, fmts: list[str], context: int, warmup: int, iters: int) -> dict[str, dict[str, float]]:
+    """Median ms per step of each format in ``fmts``, measured side by side: every round times one call of each
+    step of each format, so that the host's slow drifts (other load, memory traffic) fall on all of them alike."""
+    drivers = {fmt: build_driver(shape, fmt, context) for fmt in fmts}
+    inputs = {name: step_inputs(queries, context + queries, tree, shape["vocab_size"])
+              for name, (queries, tree) in STEPS.items()}
+    times: dict[str, dict[str, list[float]]] = {fmt: {name: [] for name in STEPS} for fmt in fmts}
+    for round_ in range(warmup + iters):
+        for fmt, driver in drivers.items():
+            for name, flat in inputs.items():
+                start = time.perf_counter()
+                driver.step(flat)
+                if round_ >= warmup:
+                    times[fmt][name].append(time.perf_counter() - start)
+    return {fmt: {name: round(statistics.median(t) * 1e3, 2) for name, t in steps.items()}
+            for fmt, steps in times.items()}
 
 
 def headline(results: dict) -> dict:
@@ -85,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--models", default=",".join(MODELS), help=f"subset of {','.join(MODELS)}")
     p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--big-formats", default=",".join(BIG_FORMATS), help="the formats of qwen2.5-1.5b")
     p.add_argument("--context", type=int, default=160, help="tokens already in the KV cache")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=15)
@@ -99,12 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         for name in args.models.split(","):
             print(f"\n## {name}: median ms per step (ratio to decode)")
-            for fmt in args.formats.split(","):
-                ms = time_model(MODELS[name], fmt, args.context, args.warmup, args.iters)
+            formats = (args.big_formats if name == "qwen2.5-1.5b" else args.formats).split(",")
+            for fmt, ms in time_models(MODELS[name], formats, args.context, args.warmup, args.iters).items():
                 ratios = {step: round(ms[step] / ms["decode"], 2) for step in STEPS}
                 results["results"].setdefault(name, {})[fmt] = {"ms": ms, "over_decode": ratios}
                 cells = "  ".join(f"{step} {ms[step]:7.2f} ({ratios[step]:.2f}x)" for step in STEPS)
-                print(f"{fmt:20s} {cells}", flush=True)
+                print(f"{fmt:26s} {cells}", flush=True)
     results["headline"] = headline(results["results"])
     print("\n" + json.dumps(results["headline"]))
     if args.json:

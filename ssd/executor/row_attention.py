@@ -10,10 +10,11 @@ zeros), the softmax, and the weighted sum of values in key order. The result for
 the same in a decode step, a verification, a prefill chunk or any batch, at any thread count.
 
 With AVX-512 and a head size that is a multiple of 16, one thread takes all query rows of a sequence and all
-heads of one KV head together, so each key and value is read once for all of them (a verification's rows
-and GQA's heads), while each (row, head) still runs its own chain: a fused multiply-add per 16-wide chunk
-of the head and one lane reduction per score, exponentials 16 keys at a time by one polynomial, values
-accumulated in key order. Elsewhere a scalar path computes each (row, head) alone (16 fixed lanes combined
+heads of one KV head together and goes through the keys 16 at a time for all of them, so each block of keys
+and values comes from memory once for a verification's rows and GQA's heads, while each (row, head) still runs
+its own chain: a fused multiply-add per 16-wide chunk of the head and one lane reduction per score (the lane
+sums of 16 keys reduced together, in the pairs of a single vector's reduction), exponentials 16 keys at a time
+by one polynomial, values accumulated in key order. Elsewhere a scalar path computes each (row, head) alone (16 fixed lanes combined
 pairwise, ``std::exp``): different bits from the vector path, but one machine always runs the same path.
 
 The C++ source is compiled once per machine on first use (``ssd/models/native.py``; a C++ compiler and ninja
@@ -31,6 +32,7 @@ from ssd.models.native import compiles, load_inline_source
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -126,64 +128,117 @@ inline float softmax_vector(float* scores, int64_t n) {
   return _mm512_reduce_add_ps(lanes);
 }
 
-// Every query row of one sequence and every head of one KV head (head size a multiple of 16), reading each
-// key and value once for all of them. A (row, head)'s result is still one fixed sequence of its own: each
-// visible key's score is the same chain of fused multiply-adds over the head's 16-wide chunks and the same
-// lane reduction, the softmax above, and the values accumulated in key order.
+// The lane sums of 16 vectors as one vector (lane k: the sum of d[k]'s 16 lanes), added in exactly the pairs of
+// _mm512_reduce_add_ps (lanes j and j + 8, then j and j + 4, then j and j + 2, then the two left), so each sum
+// has the bits that reduction gives it, for 15 additions and 30 permutations instead of 16 reductions.
+inline __m512 reduce16(const __m512* d) {
+  const __m512i lo8 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i by4 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i by2 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+  const __m512i by1 = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const auto pairs = [](__m512 a, __m512 b, __m512i first, int step) {  // lanes first[i] + lanes first[i] + step
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(step));
+    return _mm512_add_ps(_mm512_permutex2var_ps(a, first, b), _mm512_permutex2var_ps(a, second, b));
+  };
+  __m512 u[8], v[4], w[2];
+  for (int p = 0; p < 8; ++p) u[p] = pairs(d[2 * p], d[2 * p + 1], lo8, 8);  // [d[2p]'s 8 sums, d[2p+1]'s]
+  for (int p = 0; p < 4; ++p) v[p] = pairs(u[2 * p], u[2 * p + 1], by4, 4);  // 4 sums of each of 4 vectors
+  for (int p = 0; p < 2; ++p) w[p] = pairs(v[2 * p], v[2 * p + 1], by2, 2);  // 2 sums of each of 8 vectors
+  return pairs(w[0], w[1], by1, 1);
+}
+
+// A (query row, head) of one sequence: where its vectors are and which mask row says what it sees.
 struct RowHead {
   const float* q;  // query vector
   float* o;        // output vector
   int64_t row;     // index into the sequence's rows (mask row)
-  int64_t n;       // visible keys so far
-  float denom;     // the softmax's denominator
 };
 
-// For each slot in order, its 16-wide chunks of ``cache`` (keys or values) in registers, then
-// body(i, item, x, k) for every item that sees it, k being the slot's index among the ones item sees.
-template <int64_t chunks, typename Body>
-inline void for_each_visible(const float* cache, int64_t Hkv, int64_t kvh, const int64_t* slots, int64_t L,
-                             const bool* const* visible, std::vector<RowHead>& items, Body body) {
+// A thread's working memory, reused across the (sequence, KV head)s it takes.
+struct Scratch {
+  std::vector<int64_t> count;  // per row: how many keys it sees (-1: not yet listed)
+  std::vector<int64_t> seen;   // per row: the cache offsets of the keys it sees, in key order [Q, L]
+  std::vector<float> scores;   // per item: its scores, then its softmax weights [items, L]
+  std::vector<float> acc;      // per item: its weighted sum of values [items, D]
+  std::vector<float> denom;    // per item: its softmax's denominator
+};
+
+// Every query row of one sequence and every head of one KV head (head size a multiple of 16). Each (row, head)
+// runs alone over the keys its row sees, in key order: scores 16 keys at a time (per key a fused multiply-add
+// per 16-wide chunk of the head, then the lane sums of the 16 keys by reduce16, times the scale), the softmax
+// above, and the values accumulated in key order. Both passes go 16 visible keys at a time across all items,
+// so a block of keys (or values) comes from memory once and is reused from the first-level cache by every row
+// and head that sees it (the rows of a verification share their prefix).
+template <int64_t chunks>  // head size / 16, a constant so that the chunk loops unroll into registers
+void attend_group_vector(const float* k_p, const float* v_p, int64_t Hkv, int64_t kvh, const int64_t* slots,
+                         int64_t L, const bool* const* visible, const std::vector<RowHead>& items, float s,
+                         Scratch& scratch) {
   constexpr int64_t D = chunks * LANES;
-  __m512 x[chunks];
-  for (RowHead& it : items) it.n = 0;
-  for (int64_t j = 0; j < L; ++j) {
-    const float* row = cache + (slots[j] * Hkv + kvh) * D;
-    for (int64_t c = 0; c < chunks; ++c) x[c] = _mm512_loadu_ps(row + c * LANES);
+  const int64_t Q = static_cast<int64_t>(scratch.count.size());
+  scratch.seen.resize(static_cast<size_t>(Q * L));
+  scratch.scores.resize(items.size() * static_cast<size_t>(L));
+  scratch.acc.assign(items.size() * static_cast<size_t>(D), 0.f);
+  scratch.denom.resize(items.size());
+  std::fill(scratch.count.begin(), scratch.count.end(), -1);
+  int64_t longest = 0;
+  for (const RowHead& it : items) {  // the cache offsets of the keys each row sees, once per row
+    int64_t& n = scratch.count[it.row];
+    if (n >= 0) continue;
+    int64_t* seen = scratch.seen.data() + it.row * L;
+    n = 0;
+    for (int64_t j = 0; j < L; ++j)
+      if (visible[it.row] == nullptr || visible[it.row][j]) seen[n++] = (slots[j] * Hkv + kvh) * D;
+    longest = std::max(longest, n);
+  }
+  const __m512 scale = _mm512_set1_ps(s);
+  for (int64_t first = 0; first < longest; first += LANES) {
     for (size_t i = 0; i < items.size(); ++i) {
-      RowHead& it = items[i];
-      if (visible[it.row] == nullptr || visible[it.row][j]) body(static_cast<int64_t>(i), it, x, it.n++);
+      const RowHead& it = items[i];
+      const int64_t n = scratch.count[it.row], count = std::min(LANES, n - first);
+      if (count <= 0) continue;
+      const int64_t* seen = scratch.seen.data() + it.row * L + first;
+      __m512 q[chunks], dots[LANES];
+      for (int64_t c = 0; c < chunks; ++c) q[c] = _mm512_loadu_ps(it.q + c * LANES);
+      for (int64_t k = 0; k < LANES; ++k) {
+        if (k >= count) {
+          dots[k] = _mm512_setzero_ps();
+          continue;
+        }
+        const float* key = k_p + seen[k];
+        __m512 dot = _mm512_mul_ps(q[0], _mm512_loadu_ps(key));
+        for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(key + c * LANES), dot);
+        dots[k] = dot;
+      }
+      _mm512_mask_storeu_ps(scratch.scores.data() + i * L + first, live_lanes(count),
+                            _mm512_mul_ps(reduce16(dots), scale));
     }
   }
-}
-
-template <int64_t chunks>  // head size / 16, a constant so that the chunk loops unroll and x stays in registers
-void attend_group_vector(const float* k_p, const float* v_p, int64_t Hkv, int64_t kvh, const int64_t* slots,
-                         int64_t L, const bool* const* visible, std::vector<RowHead>& items, float s,
-                         std::vector<float>& scores, std::vector<float>& acc) {
-  constexpr int64_t D = chunks * LANES;
-  scores.resize(items.size() * static_cast<size_t>(L));
-  acc.assign(items.size() * static_cast<size_t>(D), 0.f);
-  for_each_visible<chunks>(k_p, Hkv, kvh, slots, L, visible, items,
-                           [&](int64_t i, RowHead& it, const __m512* x, int64_t k) {
-    __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(it.q), x[0]);
-    for (int64_t c = 1; c < chunks; ++c) dot = _mm512_fmadd_ps(_mm512_loadu_ps(it.q + c * LANES), x[c], dot);
-    scores[i * L + k] = _mm512_reduce_add_ps(dot) * s;
-  });
-  for (size_t i = 0; i < items.size(); ++i) items[i].denom = softmax_vector(scores.data() + i * L, items[i].n);
-  for_each_visible<chunks>(v_p, Hkv, kvh, slots, L, visible, items,
-                           [&](int64_t i, RowHead&, const __m512* x, int64_t k) {
-    const __m512 w = _mm512_set1_ps(scores[i * L + k]);
-    float* a = acc.data() + i * D;
-    for (int64_t c = 0; c < chunks; ++c)
-      _mm512_storeu_ps(a + c * LANES, _mm512_fmadd_ps(w, x[c], _mm512_loadu_ps(a + c * LANES)));
-  });
+  for (size_t i = 0; i < items.size(); ++i)
+    scratch.denom[i] = softmax_vector(scratch.scores.data() + i * L, scratch.count[items[i].row]);
+  for (int64_t first = 0; first < longest; first += LANES) {
+    for (size_t i = 0; i < items.size(); ++i) {
+      const int64_t n = scratch.count[items[i].row], count = std::min(LANES, n - first);
+      if (count <= 0) continue;
+      const int64_t* seen = scratch.seen.data() + items[i].row * L + first;
+      const float* weights = scratch.scores.data() + i * L + first;
+      float* a = scratch.acc.data() + i * D;
+      __m512 acc[chunks];
+      for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_loadu_ps(a + c * LANES);
+      for (int64_t k = 0; k < count; ++k) {
+        const __m512 w = _mm512_set1_ps(weights[k]);
+        for (int64_t c = 0; c < chunks; ++c)
+          acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v_p + seen[k] + c * LANES), acc[c]);
+      }
+      for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(a + c * LANES, acc[c]);
+    }
+  }
   for (size_t i = 0; i < items.size(); ++i) {
-    const RowHead& it = items[i];
-    const __m512 d = _mm512_set1_ps(it.n > 0 ? it.denom : 1.f);
+    const int64_t n = scratch.count[items[i].row];
+    const __m512 d = _mm512_set1_ps(n > 0 ? scratch.denom[i] : 1.f);
     for (int64_t c = 0; c < chunks; ++c)
-      _mm512_storeu_ps(it.o + c * LANES,
-                       it.n > 0 ? _mm512_div_ps(_mm512_loadu_ps(acc.data() + i * D + c * LANES), d)
-                                : _mm512_setzero_ps());
+      _mm512_storeu_ps(items[i].o + c * LANES,
+                       n > 0 ? _mm512_div_ps(_mm512_loadu_ps(scratch.acc.data() + i * D + c * LANES), d)
+                             : _mm512_setzero_ps());
   }
 }
 #endif
@@ -221,7 +276,8 @@ torch::Tensor row_attention(torch::Tensor query, torch::Tensor key_cache, torch:
     at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
       std::vector<RowHead> items;
       std::vector<const bool*> visible(Q);
-      std::vector<float> scores, acc;
+      Scratch scratch;
+      scratch.count.resize(Q);
       for (int64_t item = begin; item < end; ++item) {
         const int64_t kvh = item % Hkv, b = item / Hkv;
         items.clear();
@@ -230,13 +286,13 @@ torch::Tensor row_attention(torch::Tensor query, torch::Tensor key_cache, torch:
           visible[q] = mask_p == nullptr ? nullptr : mask_p + (b * Q + q) * L;
           if (t < 0 || t >= T) continue;  // a padding row
           for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h)
-            items.push_back({q_p + (t * H + h) * D, o_p + (t * H + h) * D, q, 0, 0.f});
+            items.push_back({q_p + (t * H + h) * D, o_p + (t * H + h) * D, q});
         }
         if (items.empty()) continue;
         const int64_t* slots = slot_p + b * L;
         switch (D / LANES) {
 #define SSD_RA_CASE(C) \
-  case C: attend_group_vector<C>(k_p, v_p, Hkv, kvh, slots, L, visible.data(), items, s, scores, acc); break;
+  case C: attend_group_vector<C>(k_p, v_p, Hkv, kvh, slots, L, visible.data(), items, s, scratch); break;
           SSD_RA_CASE(1) SSD_RA_CASE(2) SSD_RA_CASE(3) SSD_RA_CASE(4) SSD_RA_CASE(5) SSD_RA_CASE(6) SSD_RA_CASE(7)
           SSD_RA_CASE(8) SSD_RA_CASE(9) SSD_RA_CASE(10) SSD_RA_CASE(11) SSD_RA_CASE(12) SSD_RA_CASE(13)
           SSD_RA_CASE(14) SSD_RA_CASE(15) SSD_RA_CASE(16)
