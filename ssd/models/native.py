@@ -22,11 +22,11 @@ from ssd.cpu_features import cpu_flags
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off"]
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=off")
 # at::parallel_for is OpenMP inline in ATen's headers: without -fopenmp its pragma is ignored and a kernel runs
 # on one thread whatever torch.set_num_threads says. Linking libgomp.so.1 binds to the copy torch has loaded.
 # A compiler without OpenMP still builds the kernels, single-threaded.
-OPENMP = ["-fopenmp"]
+OPENMP = ("-fopenmp",)
 
 
 def native_name(stem: str) -> str:
@@ -35,12 +35,15 @@ def native_name(stem: str) -> str:
 
 
 def _with_openmp(build: Callable[[list[str], list[str]], object], stem: str):
-    """``build(cflags, ldflags)`` with OpenMP, or without it where that fails."""
+    """``build(cflags, ldflags)`` with OpenMP, or without it where that fails. Each call gets lists of its own:
+    ``torch.utils.cpp_extension`` appends its libraries to the ldflags it is given, and flags carried over into
+    the next kernel's build would change its command, so every process that loads the kernels in another order
+    would rebuild them (~30 s each)."""
     try:
-        return build(CFLAGS + OPENMP, OPENMP)
+        return build([*CFLAGS, *OPENMP], [*OPENMP])
     except Exception as exc:  # e.g. a compiler without OpenMP: one thread is still correct
         logger.warning("%s: building with OpenMP failed (%s); building it single-threaded", stem, exc)
-        return build(CFLAGS, [])
+        return build([*CFLAGS], [])
 
 
 def load_source_file(stem: str, filename: str):
