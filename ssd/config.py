@@ -75,8 +75,8 @@ class SpeculativeConfig:
     draft_dtype: Dtype | None = option(None, "the draft's dtype (default: the target's; auto resolves for the "
                                              "draft's device)", processes=(DRAFT,))
     draft_weight_format: WeightFormat = option(
-        WeightFormat.AUTO, "the draft's weights: auto (where it runs on CPU in float32: w8a8 with VNNI, else "
-        "fp16-packed), dense, "
+        WeightFormat.AUTO, "the draft's weights: auto (where it runs on CPU in float32: q8_0 where its kernel has "
+        "the AVX-512 VNNI path, else w8a8 with VNNI, else fp16-packed), dense, "
         "fp16-packed, int8-packed (int8 attention and gate/up projections: faster many-branch tree steps), w8a8 "
         "(int8 weights and per-row int8 activations everywhere), q8_0, q4_0 or q4_1 (as for the target)",
         processes=(DRAFT,))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from model_utils import PagedSession
 from ssd import LLM, SamplingParams
 from ssd.config import EngineConfig, SpeculativeConfig
-from ssd.models import weight_formats
+from ssd.models import block_quant, weight_formats
 from ssd.models.loader import load_model
 from ssd.models.packed_fp16 import PackedFp16Product
 from ssd.models.rowwise_int8 import has_vnni
@@ -23,7 +23,9 @@ from ssd.resolve import resolve_config
 from ssd_utils import make_perturbed_draft
 
 pytestmark = pytest.mark.skipif(not weight_formats.fbgemm_available(), reason="PyTorch built without FBGEMM")
-DRAFT_AUTO = WeightFormat.W8A8 if has_vnni() else WeightFormat.FP16_PACKED  # a draft's "auto" on this CPU
+# a draft's "auto" on this CPU
+DRAFT_AUTO = (WeightFormat.Q8_0 if block_quant.available() and block_quant.vectorized()
+              else WeightFormat.W8A8 if has_vnni() else WeightFormat.FP16_PACKED)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 17])

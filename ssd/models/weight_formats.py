@@ -27,8 +27,9 @@ Formats (``weight_format`` for the target, ``draft_weight_format`` for the draft
 - ``"auto"`` (both defaults): for a target, ``"fp16-packed"`` where it applies, else ``"dense"``; it applies
   only when ``dtype="auto"`` chose float32 (on any CPU with FBGEMM: float16 weights in this GEMM are the
   fastest precision for few-row products there, see ``ssd/dtypes.py``, and finer than bfloat16); an explicit
-  ``dtype="float32"`` keeps float32 weights. For a draft, ``"w8a8"`` where the packed formats apply and the CPU
-  has VNNI (its measured case: faster tree steps at unchanged acceptance, README "Weight formats"), else
+  ``dtype="float32"`` keeps float32 weights. For a draft on CPU in float32, ``"q8_0"`` where the block kernel
+  compiled with its AVX-512 VNNI path (the fastest draft steps measured, at unchanged acceptance: README
+  "Weight formats"), else ``"w8a8"`` where the packed formats apply and the CPU has VNNI, else
   ``"fp16-packed"`` where it applies, else ``"dense"``. A draft's numerics never change the output, only how
   often its guesses are accepted.
 
@@ -45,6 +46,7 @@ from torch import nn
 
 from ssd.models.block_quant import BlockKind, BlockQuantProduct
 from ssd.models.block_quant import available as block_kernel_available
+from ssd.models.block_quant import vectorized as block_kernel_vectorized
 from ssd.models.packed_fp16 import PackedFp16Product
 from ssd.models.packed_int8 import PackedInt8Product
 from ssd.models.rowwise_int8 import RowwiseInt8Product, has_vnni
@@ -93,6 +95,8 @@ def resolve_weight_format(
                              "compiled here (a C++ compiler and ninja are needed; the log says why)")
         return weight_format
     if weight_format is WeightFormat.AUTO:
+        if draft and on_cpu and block_kernel_available() and block_kernel_vectorized():
+            return WeightFormat.Q8_0
         if draft and applies and has_vnni():
             return WeightFormat.W8A8
         return WeightFormat.FP16_PACKED if applies and not explicit_dtype else WeightFormat.DENSE
