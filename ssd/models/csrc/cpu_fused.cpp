@@ -1,7 +1,7 @@
 // The per-layer glue of a decoder step on CPU in one call each, for float32 models: the residual add with the
 // RMSNorm after it, and RoPE with the K/V cache write. In PyTorch ops these are ~30 small operators per layer
-// (each a few microseconds of dispatch for a few hundred floats), which at the 135M model's 30 layers cost about
-// as much as streaming its quantized weights. Documented in cpu_fused.py.
+// (each a few microseconds of dispatch for a few hundred floats): at the 135M model's 30 layers ~3 ms of a 13.6 ms
+// q8_0 decode step, about half of what streaming its quantized weights takes. Documented in cpu_fused.py.
 //
 // Every row is computed alone, in a fixed order, so a row's result does not depend on the rows beside it or on
 // the thread count (batch invariance). RoPE rounds exactly as PyTorch's elementwise ops do (products rounded,
