@@ -81,8 +81,9 @@ class ModelRunner:
         self.model, self.arch = load_model(model_path, dtype=self.dtype, device=self.device, tp=tp)
         self.model.eval()
         compiled = graphs is not None and graphs.compile  # torch.compile fuses the PyTorch ops by itself
-        kernels = fused_kernels_for(self.device, self.dtype, self.model.head_dim) if fused_kernels else None
-        if kernels is not None and not compiled:
+        use_kernels = fused_kernels and not compiled
+        kernels = fused_kernels_for(self.device, self.dtype, self.model.head_dim) if use_kernels else None
+        if kernels is not None:
             self.model.enable_fused_kernels(kernels=kernels)
             logger.info("fused kernels (%s) on for %s", kernels.__name__, model_path)
         self.weight_format = weight_format

@@ -3,10 +3,11 @@
 A decoder step of a small model on CPU spends a large share of its time dispatching PyTorch's small operators:
 per layer, the two RMSNorms (six operators each), the residual adds, RoPE (eight operators per tensor) and the
 two K/V cache writes are ~30 calls on a few hundred floats each (the 135M target's q8_0 decode step: 13.6 ms
-with them, 10.5 ms fused; its products take ~6.5). :meth:`ssd.models.decoder.DecoderLM.
-enable_fused_kernels` with this module runs each layer through ``fused_forward`` instead, where a C++ kernel
-(``csrc/cpu_fused.cpp``, compiled on first use like the other CPU kernels, ``ssd/models/native.py``) does the
-residual add with the norm after it, and RoPE with the cache write, in one call each.
+with them, 10.5 ms fused; its products take ~6.5). ``DecoderLM.enable_fused_kernels`` with this module runs
+each layer through ``fused_forward`` instead, where a C++ kernel (``csrc/cpu_fused.cpp``, compiled on first use
+like the other CPU kernels, ``ssd/models/native.py``) does the residual add with the norm after it, and RoPE with
+the cache write, in one call each. There is no ``dense_attention`` here: attention stays on the CPU paths of
+:func:`ssd.executor.attention.attend_cached`.
 
 Numerics: RoPE gives the unfused path's bits (products rounded, then the sum); the norm sums its squares in a
 fixed order of its own (16 lanes combined pairwise), so its last bits can differ from PyTorch's ``mean``. Every
@@ -21,8 +22,6 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ssd.executor.attention import DenseAttentionMetadata, KVCache
-from ssd.executor.attention import dense_attention as _dense_attention
 from ssd.models.native import compiles, load_source_file
 
 
@@ -49,19 +48,10 @@ def add_rms_norm(
     return _module().add_rms_norm(x, residual, weight, float(eps))
 
 
-def rope_write_kv(
-    qkv: torch.Tensor,  # [T, (H + 2*Hkv) * D], rows contiguous
-    cos: torch.Tensor,  # [T, 1, D/2]
-    sin: torch.Tensor,  # [T, 1, D/2]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
-    slot_mapping: torch.Tensor,  # [T] int64
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-) -> torch.Tensor:
-    """Rotate the q heads of ``qkv`` in place and write rotated k and plain v to their cache slots.
-    Returns the rotated queries ``[T, H, D]`` (a view of ``qkv``)."""
+def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
+                  value_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  head_dim: int) -> torch.Tensor:
+    """:func:`ssd.models.fused_kernels.rope_write_kv` (same arguments and result; any even ``head_dim``)."""
     _module().rope_write_kv(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
     return qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
 
@@ -72,12 +62,3 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)
 
-
-def dense_attention(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, kv_slots: torch.Tensor,
-    mask: torch.Tensor, scale: float, cols_per_split: int | None = None,
-) -> torch.Tensor:
-    """Attention of the fixed-shape layout (``DenseAttentionMetadata``) by the PyTorch path of
-    :func:`ssd.executor.attention.dense_attention` (``cols_per_split`` tunes the CUDA kernel only)."""
-    meta = DenseAttentionMetadata(slot_mapping=kv_slots.new_empty(0), kv_slots=kv_slots, mask=mask)
-    return _dense_attention(query, KVCache(key_cache, value_cache), meta, scale)

@@ -31,6 +31,7 @@ from ssd.executor.attention import (
     attend_cached,
     paged_attention,
 )
+from ssd.models import cpu_fused
 from ssd.models.arch import ModelArchConfig
 from ssd.models.parallel import (
     LinearProduct,
@@ -62,8 +63,6 @@ def fused_kernels_for(device: torch.device | str, dtype: torch.dtype, head_dim: 
     :func:`fused_kernels_usable`, the C++ one for float32 on CPU where it compiled, else None."""
     if fused_kernels_usable(device, head_dim):
         return importlib.import_module("ssd.models.fused_kernels")
-    from ssd.models import cpu_fused
-
     return cpu_fused if cpu_fused.usable(device, dtype) else None
 
 
@@ -188,7 +187,8 @@ class Attention(nn.Module):
         kernels: "ModuleType",
     ) -> torch.Tensor:
         """:meth:`forward` with RoPE and the K/V cache write in one kernel, and attention over the fixed-shape
-        layout read straight from the cache (``kernels`` is :mod:`ssd.models.fused_kernels`)."""
+        layout read straight from the cache where ``kernels`` has a ``dense_attention`` (Triton's
+        :mod:`ssd.models.fused_kernels`; elsewhere :func:`attend_cached`)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (H + 2*Hkv) * D]
         d = self.head_dim
@@ -200,8 +200,9 @@ class Attention(nn.Module):
             qkv = torch.cat([q.view(num_tokens, q_size), k.view(num_tokens, kv_size), qkv[:, q_size + kv_size :]], -1)
         q = kernels.rope_write_kv(qkv, cos, sin, cache.key, cache.value, meta.slot_mapping,
                                   self.num_heads, self.num_kv_heads, d)  # [T, H, D]
-        if isinstance(meta, DenseAttentionMetadata):  # fixed-shape steps: read K/V straight from the cache
-            out = kernels.dense_attention(q, cache.key, cache.value, meta.kv_slots, meta.mask, self.scale,
+        dense_attention = getattr(kernels, "dense_attention", None)
+        if dense_attention is not None and isinstance(meta, DenseAttentionMetadata):  # fixed-shape steps
+            out = dense_attention(q, cache.key, cache.value, meta.kv_slots, meta.mask, self.scale,
                                           self.cols_per_split)
         else:
             out = attend_cached(q, cache, meta, self.scale)  # [T, H, D]
