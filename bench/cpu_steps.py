@@ -42,12 +42,15 @@ QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28
                   num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)
 MODELS = {"smollm2-135m": SMOLLM2_135M, "default-draft": DEFAULT_DRAFT, "qwen2.5-1.5b": QWEN25_15B}
 FORMATS = ("fp16-packed", "fp16-packed+fused", "w8a8+fused", "w8a8+row-attention+fused", "q8_0+row-attention",
-           "q8_0+row-attention+fused", "q4_0+row-attention+fused", "q4_1+row-attention+fused")
-# +row-attention: as a target with quantized activations (w8a8, q8_0, q4_0, q4_1) runs; +fused: the layers' glue
+           "q8_0+row-attention+fused+python-layers", "q8_0+row-attention+fused", "q4_0+row-attention+fused",
+           "q4_1+row-attention+fused")
+# +row-attention: as a model with quantized activations (w8a8, q8_0, q4_0, q4_1) runs; +fused: the layers' glue
 # (residual add + norm, RoPE + K/V write) through the C++ kernels of ssd/models/cpu_fused.py, as the engine runs
-# float32 models on CPU by default (fused_kernels=True)
-OPTIONS = ("row-attention", "fused")
-BIG_FORMATS = ("fp16-packed+fused", "q8_0+row-attention+fused", "q4_0+row-attention+fused")  # ~4 GB each at 1.5B
+# float32 models on CPU by default (fused_kernels=True), and, where every projection is block-quantized and the
+# attention row-invariant, all layers in one C++ call (ssd/models/layer_stack.py) unless +python-layers
+OPTIONS = ("row-attention", "fused", "python-layers")
+BIG_FORMATS = ("fp16-packed+fused", "q8_0+row-attention+fused+python-layers", "q8_0+row-attention+fused",
+               "q4_0+row-attention+fused")  # ~4 GB each at 1.5B
 STEPS = {"decode": (1, False), "verify5": (5, False), "tree8": (8, True), "tree16": (16, True)}
 
 
@@ -63,6 +66,8 @@ def build_driver(shape: dict, fmt: str, context: int) -> Driver:
         if not cpu_fused.available():
             raise SystemExit("the fused CPU kernels could not be compiled here")
         model.enable_fused_kernels(kernels=cpu_fused)
+        if "python-layers" in options:
+            model.layer_stack = None
     return Driver(model, num_blocks=-(-(context + 32) // BLOCK), row_invariant="row-attention" in options)
 
 

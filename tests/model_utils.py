@@ -16,8 +16,11 @@ from ssd.models.decoder import DecoderLM
 
 
 class PagedSession:
-    def __init__(self, model: DecoderLM, num_blocks: int = 64, block_size: int = 4, seed: int = 0) -> None:
+    def __init__(self, model: DecoderLM, num_blocks: int = 64, block_size: int = 4, seed: int = 0,
+                 row_invariant: bool = False) -> None:
+        """``row_invariant``: steps ask for row-invariant attention (as a model with quantized activations runs)."""
         self.model = model
+        self.row_invariant = row_invariant
         self.block_size = block_size
         self.caches = model.allocate_kv_caches(num_blocks, block_size)
         self.free_blocks = list(range(num_blocks))
@@ -52,6 +55,7 @@ class PagedSession:
             self.lengths[seq_id] = end
         device = self.model.device
         meta = build_attention_metadata(layouts, device=device)
+        meta.row_invariant = self.row_invariant
         hidden = self.model(
             torch.tensor(ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),

@@ -83,8 +83,6 @@ def build_runner(
         tp=tp,
         graphs=graphs,
         weight_format=args.weight_format,
-        # a target with per-row quantized activations must see a token the same in every kind of step
-        row_invariant_attention=args.weight_format in ACTIVATION_QUANTIZED_FORMATS,
         fused_kernels=args.fused_kernels,
     )
 

@@ -31,7 +31,7 @@ from ssd.models.draft_vocab import DraftVocab
 from ssd.models.decoder import fused_kernels_for
 from ssd.models.loader import load_model
 from ssd.models.weight_formats import pack_weights
-from ssd.options import PACKED_WEIGHT_FORMATS, WeightFormat
+from ssd.options import ACTIVATION_QUANTIZED_FORMATS, PACKED_WEIGHT_FORMATS, WeightFormat
 
 if TYPE_CHECKING:
     from ssd.distributed.comm import TensorParallelGroup
@@ -66,9 +66,14 @@ class ModelRunner:
         tp: "TensorParallelGroup | None" = None,
         graphs: GraphOptions | None = None,
         weight_format: WeightFormat = WeightFormat.DENSE,
-        row_invariant_attention: bool = False,
+        row_invariant_attention: bool | None = None,
         fused_kernels: bool = True,
     ) -> None:
+        if row_invariant_attention is None:
+            # a model with per-row quantized activations must see a token the same in every kind of step (a
+            # target's exactness; a draft takes it too: the row-invariant kernel is its fastest attention, and
+            # what lets its layers run as one C++ call, ssd/models/layer_stack.py)
+            row_invariant_attention = weight_format in ACTIVATION_QUANTIZED_FORMATS
         if row_invariant_attention and not row_attention_available():  # before paying for the weights
             raise ValueError(f"{model_path}: row-invariant attention (which a target with quantized activations "
                              "needs) requires its kernel, which could not be compiled here (see the warning above: "
@@ -80,20 +85,21 @@ class ModelRunner:
         start = time.perf_counter()
         self.model, self.arch = load_model(model_path, dtype=self.dtype, device=self.device, tp=tp)
         self.model.eval()
-        compiled = graphs is not None and graphs.compile  # torch.compile fuses the PyTorch ops by itself
-        use_kernels = fused_kernels and not compiled
-        kernels = fused_kernels_for(self.device, self.dtype, self.model.head_dim) if use_kernels else None
-        if kernels is not None:
-            self.model.enable_fused_kernels(kernels=kernels)
-            logger.info("fused kernels (%s) on for %s", kernels.__name__, model_path)
         self.weight_format = weight_format
         self.row_invariant_attention = row_invariant_attention
         if weight_format in PACKED_WEIGHT_FORMATS:
             count = pack_weights(self.model, weight_format)
-            logger.info("packed %d weight matrices (%s) for FBGEMM", count, weight_format)
+            logger.info("packed %d weight matrices (%s)", count, weight_format)
         elif weight_format != WeightFormat.DENSE:
             raise ValueError(f"weight_format must be 'dense' or one of {[f.value for f in PACKED_WEIGHT_FORMATS]} "
                              f"here, got {weight_format!r}")
+        compiled = graphs is not None and graphs.compile  # torch.compile fuses the PyTorch ops by itself
+        use_kernels = fused_kernels and not compiled
+        kernels = fused_kernels_for(self.device, self.dtype, self.model.head_dim) if use_kernels else None
+        if kernels is not None:  # after packing: a CPU model's layer stack holds the packed products
+            self.model.enable_fused_kernels(kernels=kernels)
+            stack = " (all layers in one call)" if self.model.layer_stack is not None else ""
+            logger.info("fused kernels (%s) on for %s%s", kernels.__name__, model_path, stack)
         self.draft_vocab = DraftVocab.load(model_path)
         self._input_map = None  # target id -> model id, for drafts with a reduced vocabulary
         if self.draft_vocab is not None:

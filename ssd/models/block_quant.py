@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ssd.models.native import compiles, load_source_file
+from ssd.models.native import cpu_kernels, cpu_kernels_available
 
 BLOCK = 32  # weights sharing one scale
 CHUNK = 64  # the kernel's step along the input: two blocks (inputs are padded to it)
@@ -111,20 +111,14 @@ class Blocks:
         return w.view(out_features, -1)
 
 
-@functools.cache
-def _module():
-    return load_source_file("ssd_block_quant", "block_quant.cpp")
-
-
-@functools.cache
 def available() -> bool:
     """Whether the kernel compiled (or was found compiled) on this machine; logs why not."""
-    return compiles(_module, "block-quantized product kernel")
+    return cpu_kernels_available()
 
 
 def vectorized() -> bool:
     """Whether the kernel runs its AVX-512 VNNI path here (else the portable one, same results)."""
-    return bool(_module().vectorized())
+    return bool(cpu_kernels().block_quant_vectorized())
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -276,10 +270,11 @@ class BlockQuantProduct:
 
     def _init(self, blocks: Blocks, kind: BlockKind, in_features: int) -> None:
         self.kind = kind
+        self.kind_code = kind.code  # the kernel's number, looked up once (an enum's index is not free per call)
         self.in_features = in_features
         self.out_features = blocks.values.shape[0]
         self.packed = _kernel_layout(blocks, kind)
-        self.module = _module()  # compiled once, before the first product
+        self.module = cpu_kernels()  # compiled once, before the first product
 
     @property
     def nbytes(self) -> int:
@@ -289,7 +284,7 @@ class BlockQuantProduct:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                  portable: bool = False) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        out = self.module.block_quant_linear(rows, self.packed, self.kind.code, self.out_features, portable)
+        out = self.module.block_quant_linear(rows, self.packed, self.kind_code, self.out_features, portable)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if bias is None else out + bias
 

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from types import ModuleType
 
     from ssd.distributed.comm import TensorParallelGroup
+    from ssd.models.layer_stack import LayerStack
 
 
 def fused_kernels_fit(head_dim: int) -> bool:
@@ -293,18 +294,24 @@ class DecoderLM(nn.Module):
             None if cfg.tie_word_embeddings else VocabParallelHead(cfg.vocab_size, cfg.hidden_size, tp, dtype)
         )
         self.kernels: ModuleType | None = None  # the fused kernels' module once enable_fused_kernels() has run
+        self.layer_stack: LayerStack | None = None  # all layers in one C++ call (enable_fused_kernels, CPU)
 
     def enable_fused_kernels(self, enabled: bool = True, attention_cols_per_split: int | None = None,
                              kernels: "ModuleType | None" = None) -> None:
         """Run norms, RoPE + K/V writes, SiLU and fixed-shape attention through fused kernels: ``kernels``, a
         module with :mod:`ssd.models.fused_kernels`' functions (:func:`fused_kernels_for` chooses), by default
         the Triton one (the caller checks :func:`fused_kernels_usable`, or runs Triton's interpreter).
-        ``attention_cols_per_split`` overrides the Triton attention kernel's keys per program (tuning)."""
+        ``attention_cols_per_split`` overrides the Triton attention kernel's keys per program (tuning). Where
+        ``kernels`` has a ``layer_stack`` (the CPU module's) and it applies, the steps whose attention is
+        row-invariant run every layer in one C++ call (:mod:`ssd.models.layer_stack`): it holds the layers'
+        products, so call this after :func:`ssd.models.weight_formats.pack_weights`."""
         if enabled and kernels is None:
             if not fused_kernels_fit(self.head_dim):
                 raise ValueError(f"fused kernels need a power-of-two head_dim >= 16, this model has {self.head_dim}")
             kernels = importlib.import_module("ssd.models.fused_kernels")
         self.kernels = kernels if enabled else None
+        build_stack = getattr(self.kernels, "layer_stack", None)
+        self.layer_stack = build_stack(self) if build_stack is not None else None
         for layer in self.layers:
             layer.self_attn.cols_per_split = attention_cols_per_split
 
@@ -361,6 +368,8 @@ class DecoderLM(nn.Module):
             raise ValueError(f"expected {self.num_layers} KV caches (one per layer), got {len(kv_caches)}")
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [T, 1, D/2] each
+        if self.layer_stack is not None and isinstance(meta, AttentionMetadata) and meta.row_invariant:
+            return self.layer_stack.forward(h, cos, sin, kv_caches, meta)  # [T, hidden]
         if self.kernels is not None:
             residual = None
             for layer, cache in zip(self.layers, kv_caches):

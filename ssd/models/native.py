@@ -1,5 +1,6 @@
-"""Small C++ kernels compiled for the CPU at hand on first use (``torch.utils.cpp_extension``; a C++ compiler
-and ninja are needed) and cached by PyTorch between processes.
+"""The CPU kernels: the C++ sources of ``csrc/`` built into one extension for the CPU at hand on first use
+(``torch.utils.cpp_extension``; a C++ compiler and ninja are needed) and cached by PyTorch between processes.
+One extension, so that the layer stack (``csrc/layer_stack.cpp``) calls the other kernels directly.
 
 Each kernel is built with ``-march=native`` so that its fixed-order loops become the vector instructions of
 this CPU, and with ``-ffp-contract=off`` so that the compiler never fuses a multiply and an add the source
@@ -12,6 +13,7 @@ fixed order, so results do not depend on the thread count).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from collections.abc import Callable
@@ -46,26 +48,40 @@ def _with_openmp(build: Callable[[list[str], list[str]], object], stem: str):
         return build([*CFLAGS], [])
 
 
-def load_source_file(stem: str, filename: str):
-    """The extension compiled from ``csrc/filename`` (raises where no compiler or ninja is available)."""
+SOURCES = ("block_quant.cpp", "cpu_fused.cpp", "row_attention.cpp", "layer_stack.cpp", "bindings.cpp")
+"""The sources of :func:`cpu_kernels`, all in ``csrc/`` (with its headers)."""
+
+
+def _headers_digest() -> str:
+    """A hash of ``csrc/``'s headers: PyTorch rebuilds an extension when its sources or flags change, not its
+    headers, so the build's flags carry this."""
+    digest = hashlib.sha1()
+    for header in sorted(SOURCE_DIR.glob("*.h")):
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+@functools.cache
+def cpu_kernels():
+    """The extension of every CPU kernel (:data:`SOURCES`), compiled on first use; raises where no compiler or
+    ninja is available."""
     from torch.utils.cpp_extension import load
 
+    stem = "ssd_cpu_kernels"
     return _with_openmp(lambda cflags, ldflags: load(
-        name=native_name(stem), sources=[str(SOURCE_DIR / filename)], extra_cflags=cflags, extra_ldflags=ldflags,
-        verbose=False), stem)
+        name=native_name(stem), sources=[str(SOURCE_DIR / source) for source in SOURCES],
+        extra_cflags=[*cflags, f"-DSSD_HEADERS={_headers_digest()}"], extra_ldflags=ldflags,
+        extra_include_paths=[str(SOURCE_DIR)], verbose=False), stem)
 
 
-def load_inline_source(stem: str, source: str, functions: list[str]):
-    """The extension compiled from the C++ text ``source`` exposing ``functions``."""
-    from torch.utils.cpp_extension import load_inline
-
-    return _with_openmp(lambda cflags, ldflags: load_inline(
-        name=native_name(stem), cpp_sources=source, functions=functions, extra_cflags=cflags,
-        extra_ldflags=ldflags, verbose=False), stem)
+@functools.cache
+def cpu_kernels_available() -> bool:
+    """Whether :func:`cpu_kernels` compiled (or was found compiled) here; logs once why not."""
+    return compiles(cpu_kernels, "the CPU kernels (block-quantized products, fused glue, row attention)")
 
 
 def compiles(load: Callable[[], object], what: str) -> bool:
-    """Whether ``load`` (a kernel's cached loader) compiles or finds its extension here; logs once why not."""
+    """Whether ``load`` (a cached loader) compiles or finds its extension here; logs why not."""
     try:
         load()
         return True

@@ -25,7 +25,8 @@
 // with d_w * s_a rounded to float first (q4_1, q4_k: then acc = fma(m_w, s_a * sum(a), acc)). The vector path and
 // the portable path perform exactly these operations, so they agree bitwise, and a row's result never depends
 // on the number or values of other rows.
-#include <torch/extension.h>
+#include "cpu_kernels.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -258,17 +259,18 @@ void group_vector(const Stream& w, int64_t group, const Rows& rows, int64_t m, f
 
 }  // namespace
 
-bool vectorized() { return SSD_BQ_VECTOR != 0; }
+namespace ssd {
+
+bool block_quant_vectorized() { return SSD_BQ_VECTOR != 0; }
 
 // x [m, k] float32; packed [groups, chunks * chunk bytes] uint8 in the layout above (kp = 64 * chunks >= k
 // inputs, padding with zero scales). Returns [m, n_out] float32, n_out <= 16 * groups. portable: take the
 // portable path even where the vector one was compiled (tests compare them).
-torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor packed, int64_t kind_code, int64_t n_out,
-                                 bool portable) {
+at::Tensor block_quant_linear(at::Tensor x, at::Tensor packed, int64_t kind_code, int64_t n_out, bool portable) {
   TORCH_CHECK(kind_code >= Q8_0 && kind_code <= Q4_K, "block_quant_linear: unknown block kind ", kind_code);
   const Kind kind = static_cast<Kind>(kind_code);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "block_quant_linear: x must be 2-D float32");
-  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(),
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "block_quant_linear: x must be 2-D float32");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
               "block_quant_linear: packed weights must be contiguous 2-D uint8");
   const int64_t m = x.size(0), k = x.size(1), groups = packed.size(0);
   TORCH_CHECK(packed.size(1) % chunk_bytes(kind) == 0, "block_quant_linear: packed rows are not whole chunks");
@@ -276,7 +278,7 @@ torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor packed, int64_t 
   const int64_t kp = w.chunks * CHUNK;
   TORCH_CHECK(k <= kp && n_out <= groups * GROUP, "block_quant_linear: x or n_out larger than the weights");
   auto xc = x.contiguous();
-  auto out = torch::empty({m, n_out}, x.options());
+  auto out = at::empty({m, n_out}, x.options());
   if (m == 0 || n_out == 0) return out;
   const int64_t blocks = kp / BLOCK;
   std::vector<int8_t> a(static_cast<size_t>(m * kp));
@@ -310,7 +312,4 @@ torch::Tensor block_quant_linear(torch::Tensor x, torch::Tensor packed, int64_t 
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("block_quant_linear", &block_quant_linear, "block-quantized product (see block_quant.py)");
-  m.def("vectorized", &vectorized, "whether the AVX-512 VNNI path was compiled");
-}
+}  // namespace ssd

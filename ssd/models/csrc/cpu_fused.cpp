@@ -7,7 +7,8 @@
 // the thread count (batch invariance). RoPE rounds exactly as PyTorch's elementwise ops do (products rounded,
 // then the sum; the build never contracts them into a fused multiply-add), so its results equal the unfused
 // path's bit for bit; the norm's sum of squares runs in its own fixed order (16 lanes, combined pairwise).
-#include <torch/extension.h>
+#include "cpu_kernels.h"
+
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -36,24 +37,26 @@ float sum_of_squares(const float* x, int64_t n) {
 
 }  // namespace
 
+namespace ssd {
+
 // h = x + residual (x alone where residual is undefined); returns (weight * (h * rsqrt(mean(h^2) + eps)), h).
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::optional<torch::Tensor> residual,
-                                                      torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "add_rms_norm: x must be 2-D float32");
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == torch::kFloat32,
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, std::optional<at::Tensor> residual,
+                                                at::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "add_rms_norm: x must be 2-D float32");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.scalar_type() == at::kFloat,
               "add_rms_norm: weight must be float32 of x's width");
   const int64_t rows = x.size(0), cols = x.size(1);
   auto xc = x.contiguous();
   auto wc = weight.contiguous();
   const bool add = residual.has_value() && residual->defined();
-  torch::Tensor h = xc;
+  at::Tensor h = xc;
   if (add) {
-    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == torch::kFloat32,
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == at::kFloat,
                 "add_rms_norm: residual must match x");
-    h = torch::empty_like(xc);
+    h = at::empty_like(xc);
   }
   auto rc = add ? residual->contiguous() : xc;
-  auto out = torch::empty_like(xc);
+  auto out = at::empty_like(xc);
   const float* x_p = xc.data_ptr<float>();
   const float* r_p = rc.data_ptr<float>();
   const float* w_p = wc.data_ptr<float>();
@@ -78,19 +81,18 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, c10::opti
 
 // Rotate the q heads of qkv [T, (H + 2 Hkv) D] in place (rotate-half RoPE by cos, sin [T, D/2]) and write the
 // rotated k heads and the v heads to slot slot_mapping[t] of the caches [slots, Hkv, D].
-void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor key_cache,
-                   torch::Tensor value_cache, torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads,
-                   int64_t head_dim) {
-  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat32 && qkv.stride(1) == 1,
+void rope_write_kv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, at::Tensor key_cache, at::Tensor value_cache,
+                   at::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.stride(1) == 1,
               "rope_write_kv: qkv must be 2-D float32 with contiguous rows");
   TORCH_CHECK(head_dim % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
               "rope_write_kv: qkv's width does not match the heads");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() &&
-                  key_cache.scalar_type() == torch::kFloat32 && value_cache.scalar_type() == torch::kFloat32,
+                  key_cache.scalar_type() == at::kFloat && value_cache.scalar_type() == at::kFloat,
               "rope_write_kv: the caches must be contiguous float32");
   const int64_t tokens = qkv.size(0), half = head_dim / 2, row_stride = qkv.stride(0);
   auto cc = cos.contiguous(), sc = sin.contiguous();
-  auto slots = slot_mapping.to(torch::kInt64).contiguous();
+  auto slots = slot_mapping.to(at::kLong).contiguous();
   TORCH_CHECK(cc.numel() == tokens * half && sc.numel() == tokens * half && slots.numel() == tokens,
               "rope_write_kv: cos, sin and slot_mapping must have one row per token");
   const int64_t cache_slots = key_cache.numel() / (num_kv_heads * head_dim);
@@ -124,7 +126,4 @@ void rope_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torc
   });
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm", &add_rms_norm, "residual add and RMSNorm (see cpu_fused.py)");
-  m.def("rope_write_kv", &rope_write_kv, "RoPE and the K/V cache write (see cpu_fused.py)");
-}
+}  // namespace ssd
