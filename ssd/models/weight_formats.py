@@ -19,7 +19,9 @@ Formats (``weight_format`` for the target, ``draft_weight_format`` for the draft
   C++ kernel, compiled on first use): GGUF's blocks of 32 int8 / 4-bit weights with one float16 scale (and, in
   ``"q4_1"``, a float16 minimum), times activations quantized to int8 in blocks of 32 per row
   (``ssd/models/block_quant.py``); the 4-bit formats keep the LM head in ``"q8_0"``. Batch-invariant; a
-  target in them computes attention with the row-invariant kernel and is a quantized model, like ``"w8a8"``;
+  model in them computes attention with the row-invariant kernel (a target needs it; for a draft it is the faster
+  attention) and runs its layers in one C++ call (``ssd/models/layer_stack.py``); a target in them is a quantized
+  model, like ``"w8a8"``;
 - ``"gguf"``: the same kernel over the blocks a checkpoint stores (a GGUF import with ``keep_blocks``: its
   Q8_0 / Q4_0 / Q4_1 / Q4_K projections as the file holds them), the LM head (and any projection stored in
   float, or fused from parts of different types) in ``"q8_0"``; the only format such a checkpoint runs in, and
