@@ -22,12 +22,21 @@ def reduced() -> DraftDistribution:
     return DraftDistribution(TARGET_VOCAB, USABLE, draft_to_target)
 
 
+def ordered() -> DraftDistribution:
+    """A reduced vocabulary whose proposable ids come first, in ascending target order (as one built from target
+    ids in order is): its columns are read as a slice, without a copy."""
+    draft_to_target = torch.tensor([0, 3, 8, 12, 17, 25, 33, 41, 50, 59, 62, -1])
+    dist = DraftDistribution(TARGET_VOCAB, USABLE, draft_to_target)
+    assert dist._columns == slice(0, 10)
+    return dist
+
+
 def full() -> DraftDistribution:
     """A draft with the target's vocabulary but a shorter embedding (the rest is padding)."""
     return DraftDistribution(TARGET_VOCAB, USABLE)
 
 
-@pytest.mark.parametrize("make, width", [(reduced, 12), (full, 62)])
+@pytest.mark.parametrize("make, width", [(reduced, 12), (ordered, 12), (full, 62)])
 def test_greedy_tokens_equal_argmax_of_masked_logits(make, width):
     dist = make()
     gen = torch.Generator().manual_seed(0)
@@ -38,7 +47,7 @@ def test_greedy_tokens_equal_argmax_of_masked_logits(make, width):
     assert (dist.greedy_tokens(logits) < USABLE).all()
 
 
-@pytest.mark.parametrize("make, width", [(reduced, 12), (full, 62)])
+@pytest.mark.parametrize("make, width", [(reduced, 12), (ordered, 12), (full, 62)])
 def test_top_tokens_equal_topk_of_masked_logits(make, width):
     dist = make()
     logits = torch.randn(20, width, generator=torch.Generator().manual_seed(1))  # distinct values
@@ -92,3 +101,12 @@ def test_draw_applies_the_adjust_hook():
     tokens, probs = dist.draw(logits, params, [None, None], torch.Generator().manual_seed(0),
                               adjust=lambda lg, pr: forced)
     assert tokens.tolist() == [33, 33] and torch.equal(probs, forced)
+
+
+@pytest.mark.parametrize("make, width", [(reduced, 12), (ordered, 12), (full, 62)])
+def test_token_probs_equal_the_softmax_of_masked_logits(make, width):
+    dist = make()
+    logits = torch.randn(6, width, generator=torch.Generator().manual_seed(2))
+    probs = torch.softmax(dist.masked_logits(logits), dim=-1)  # [N, V], 0 where the draft cannot propose
+    tokens = torch.randint(0, TARGET_VOCAB, (6, 5), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(dist.token_probs(logits, tokens), probs.gather(1, tokens), rtol=1e-5, atol=1e-7)

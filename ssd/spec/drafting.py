@@ -37,6 +37,13 @@ class DraftDistribution:
             usable = target_ids < num_usable_tokens
             order = torch.argsort(target_ids[usable])
             self._by_target_id = (draft_ids[usable][order], target_ids[usable][order])
+        # the draft's columns in ascending target-id order: a slice (a view, no copy) where they are its first
+        # columns in order, as in a reduced vocabulary built from target ids in ascending order
+        self._columns: slice | torch.Tensor | None = None
+        if self._by_target_id is not None:
+            draft_ids = self._by_target_id[0]
+            in_order = torch.equal(draft_ids, torch.arange(len(draft_ids), device=draft_ids.device))
+            self._columns = slice(0, len(draft_ids)) if in_order else draft_ids
 
     def masked_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[N, Vd]`` -> ``[N, V]`` over target ids, -inf where the draft cannot propose."""
@@ -70,8 +77,7 @@ class DraftDistribution:
         draft's own columns: no ``[N, V]`` row over the target vocabulary is built."""
         if self._by_target_id is None:  # column index == target id
             return logits[:, : self.num_usable_tokens].argmax(dim=-1)  # [N]
-        draft_ids, target_ids = self._by_target_id
-        return target_ids[logits[:, draft_ids].argmax(dim=-1)]  # [N]
+        return self._by_target_id[1][logits[:, self._columns].argmax(dim=-1)]  # [N]
 
     def top_tokens(self, logits: torch.Tensor, n: int) -> torch.Tensor:
         """The ``n`` (at most the number of proposable ids) likeliest proposable target ids per row, most
@@ -79,8 +85,8 @@ class DraftDistribution:
         if self._by_target_id is None:
             usable = logits[:, : self.num_usable_tokens]  # [N, U]
             return torch.topk(usable, min(n, usable.shape[-1]), dim=-1).indices  # [N, n]
-        draft_ids, target_ids = self._by_target_id
-        return target_ids[torch.topk(logits[:, draft_ids], min(n, len(draft_ids)), dim=-1).indices]  # [N, n]
+        target_ids = self._by_target_id[1]
+        return target_ids[torch.topk(logits[:, self._columns], min(n, len(target_ids)), dim=-1).indices]  # [N, n]
 
     def token_probs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """The draft's plain (temperature 1) probabilities of target ids ``tokens [N, m]`` under draft
@@ -91,8 +97,8 @@ class DraftDistribution:
             usable = logits[:, : self.num_usable_tokens].float()  # [N, U]
             columns, known = tokens.clamp(0, usable.shape[-1] - 1), tokens < usable.shape[-1]
         else:
-            draft_ids, target_ids = self._by_target_id
-            usable = logits[:, draft_ids].float()  # [N, U], columns in ascending target-id order
+            target_ids = self._by_target_id[1]
+            usable = logits[:, self._columns].float()  # [N, U], columns in ascending target-id order
             columns = torch.searchsorted(target_ids, tokens).clamp(max=len(target_ids) - 1)  # [N, m]
             known = target_ids[columns] == tokens
         log_probs = usable.gather(1, columns) - torch.logsumexp(usable, dim=-1, keepdim=True)  # [N, m]
