@@ -590,7 +590,7 @@ class EngineRunner:
         slot mapping, attention metadata), so a ratio above target says which part to look at.
         """
         from ssd import SamplingParams
-        from ssd.executor import model_runner as mr
+        from ssd.runtime import model_runner as mr
 
         model = self.runner.model
         model_timer = CallTimer(model, "forward")

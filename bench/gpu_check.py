@@ -71,9 +71,9 @@ from gpu_steps import (  # noqa: E402
     weight_bytes_read,
 )
 
-from ssd.executor.attention_layout import build_attention_metadata  # noqa: E402
-from ssd.executor.cuda_graphs import GraphRunnerConfig  # noqa: E402
-from ssd.executor.static_batch import pack_step  # noqa: E402
+from ssd.models.attention_layout import build_attention_metadata  # noqa: E402
+from ssd.runtime.cuda_graphs import GraphRunnerConfig  # noqa: E402
+from ssd.runtime.static_batch import pack_step  # noqa: E402
 from ssd.models.decoder import DecoderLM, fused_kernels_usable  # noqa: E402
 
 AR_TARGET, VERIFY_TARGET = 1.3, 1.2

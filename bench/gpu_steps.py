@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ssd.executor.attention_layout import SequenceLayout, block_slots, build_attention_metadata
-from ssd.executor.cuda_graphs import GraphRunner, GraphRunnerConfig
-from ssd.executor.forward_items import FlatStep, ForwardItem, flatten_items
+from ssd.models.attention_layout import SequenceLayout, block_slots, build_attention_metadata
+from ssd.runtime.cuda_graphs import GraphRunner, GraphRunnerConfig
+from ssd.runtime.forward_items import FlatStep, ForwardItem, flatten_items
 from ssd.models.arch import ModelArchConfig
 from ssd.models.decoder import DecoderLM
 

@@ -5,7 +5,7 @@ in: a decode step (one row), a verification (K + 1 rows) or a prefill chunk. Thi
 engine's model forward three ways (a 20-token prefill, then 20 decode steps / four 5-row steps / one 20-row
 chunk) and prints, per weight format, whether the logits of the last 20 tokens are bitwise equal and their
 largest difference. ``--attention``: ``sdpa`` (the engine's default), ``kernel`` (the row-invariant kernel
-that w8a8 targets use, ``ssd/executor/row_attention.py``) or ``reference`` (each query row alone in float64,
+that w8a8 targets use, ``ssd/models/row_attention.py``) or ``reference`` (each query row alone in float64,
 slow: the differences that remain then come from the rest of the forward).
 
     python bench/step_invariance.py [--model PATH] [--formats fp16-packed,w8a8] [--attention kernel]
@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from gpu_steps import sequence_logits  # noqa: E402
 
-import ssd.executor.attention as attention  # noqa: E402
+import ssd.models.attention as attention  # noqa: E402
 import ssd.models.decoder as decoder  # noqa: E402
 from ssd.models.loader import load_model  # noqa: E402
 from ssd.models.weight_formats import pack_weights  # noqa: E402

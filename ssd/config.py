@@ -67,7 +67,7 @@ class SpeculativeConfig:
     adaptive_lookahead: AdaptiveMode = option(
         AdaptiveMode.AUTO, "choose each round's K in 0..K from measured acceptance and step times (SSD still "
         "builds its cache K deep): on, off (always K), or auto (on; for SSD from two decoding sequences, see "
-        "ssd/spec/lookahead.py: auto_min_batch_size)", const=AdaptiveMode.ON.value)
+        "ssd/speculative/lookahead.py: auto_min_batch_size)", const=AdaptiveMode.ON.value)
     prompt_step_speculation: bool = option(
         False, "the step that finishes a prompt also verifies drafts (up to K + 1 first tokens at once); default: "
         "it emits its one token without waiting for the draft, a lower time to first token (SSD's worker "
@@ -82,19 +82,19 @@ class SpeculativeConfig:
         processes=(DRAFT,))
     prompt_lookup: bool = option(
         True, "drafts copy the token that followed the longest earlier match of the context's suffix, where "
-        "there is one (ssd/spec/lookup.py; SD and SSD)", processes=(DRAFT,))
+        "there is one (ssd/speculative/lookup.py; SD and SSD)", processes=(DRAFT,))
     prompt_lookup_min: int = option(2, "shortest context match prompt lookup copies after", processes=(DRAFT,))
     prompt_lookup_max: int = option(8, "longest match prompt lookup compares", processes=(DRAFT,))
     fan_out: FanOutSpec = option(
         FanOutSpec(FanOutKind.DYNAMIC), "SSD fan-out: dynamic (each sequence's likeliest outcomes), auto "
-        "(geometric), an int, or a comma list F_0..F_K (ssd/spec/ssd/fanout.py)", processes=(DRAFT,),
+        "(geometric), an int, or a comma list F_0..F_K (ssd/speculative/async_draft/planning/fanout.py)", processes=(DRAFT,),
         parse=FanOutSpec.parse)
     fan_out_miss: FanOutSpec | None = option(None, "SSD fan-out for rounds after a miss (default: fan_out)",
                                              processes=(DRAFT,), parse=FanOutSpec.parse)
     fan_out_budget: int | None = option(None, "branches per sequence of auto and dynamic fan-outs (default: "
                                               "adapted so the draft keeps up)", processes=(DRAFT,))
     fallback: Fallback = option(Fallback.AUTO, "SSD, on a cache miss: jit, random, or auto (the faster one as "
-                                               "measured: ssd/spec/ssd/fallback_policy.py)")
+                                               "measured: ssd/speculative/async_draft/planning/fallback_policy.py)")
     filler_padding: FillerPadding = option(
         FillerPadding.AUTO, "SSD random fillers past prompt lookup's copies: none, repeat (the pending token up "
         "to K), or auto (none on CPU, repeat on CUDA)", processes=(DRAFT,))
@@ -102,7 +102,7 @@ class SpeculativeConfig:
                               processes=(DRAFT,))
     interruptible_build: bool = option(
         True, "SSD: the draft stops building its speculation cache when the target's next request arrives or "
-        "is due, each branch keeping the tokens drafted so far (ssd/spec/ssd/build_clock.py); off: builds "
+        "is due, each branch keeping the tokens drafted so far (ssd/speculative/async_draft/planning/build_clock.py); off: builds "
         "always reach K", processes=(DRAFT,), off_flags=("--full-builds",))
     draft_device: str | None = option(None, "the draft's device (default: the target's)", processes=(DRAFT,))
     draft_threads: int | None = option(None, "torch threads of the draft (default: its cores)", processes=(DRAFT,))

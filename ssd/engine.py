@@ -19,7 +19,6 @@ from ssd.core.kv_cache_manager import KVCacheManager
 from ssd.core.scheduler import Scheduler, SchedulerConfig, SequenceTooLongError
 from ssd.core.sequence import FinishReason, Sequence
 from ssd.distributed.launcher import TensorParallelRanks
-from ssd.executor.step_executor import RowContext, StepExecutor, StepResult
 from ssd.models.loader import load_arch_config
 from ssd.outputs import RequestMetrics, RequestOutput, SpecStats
 from ssd.placement import CpuPinning, plan_engine_layout, start_target_runner
@@ -27,9 +26,10 @@ from ssd.request import EncodedPrompt, Request
 from ssd.resolve import resolve_config
 from ssd.sample.sampler import make_generator
 from ssd.sampling_params import SamplingParams
-from ssd.spec.factory import build_proposer
-from ssd.spec.lookahead import lookahead_policy
-from ssd.spec.proposal import TargetFacts, VerifiedRound
+from ssd.speculative.factory import build_proposer
+from ssd.speculative.lookahead import lookahead_policy
+from ssd.speculative.proposal import TargetFacts, VerifiedRound
+from ssd.step import RowContext, StepExecutor, StepResult
 from ssd.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)

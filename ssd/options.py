@@ -94,7 +94,7 @@ ACTIVATION_QUANTIZED_FORMATS = (WeightFormat.W8A8, *BLOCK_WEIGHT_FORMATS)
 
 
 class AdaptiveMode(_Choice):
-    """Adaptive lookahead: always (``on``), never (``off``), or ``auto`` (``ssd/spec/lookahead.py``)."""
+    """Adaptive lookahead: always (``on``), never (``off``), or ``auto`` (``ssd/speculative/lookahead.py``)."""
 
     ON = "on"
     OFF = "off"
@@ -136,7 +136,7 @@ class FanOutKind(_Choice):
 @dataclass(frozen=True)
 class FanOutSpec:
     """An SSD fan-out as the user gave it: ``uniform`` F >= 1, ``per_k`` F_0..F_K (ints >= 0, one > 0),
-    ``auto`` or ``dynamic`` (``ssd/spec/ssd/fanout.py`` turns it into a policy for a lookahead K)."""
+    ``auto`` or ``dynamic`` (``ssd/speculative/async_draft/planning/fanout.py`` turns it into a policy for a lookahead K)."""
 
     kind: FanOutKind
     values: tuple[int, ...] = ()
@@ -205,7 +205,7 @@ class FanOutSpec:
 
 @dataclass(frozen=True)
 class LookupConfig:
-    """Prompt lookup (``ssd/spec/lookup.py``): ``min_n`` <= match length counted up to ``max_n`` tokens;
+    """Prompt lookup (``ssd/speculative/lookup.py``): ``min_n`` <= match length counted up to ``max_n`` tokens;
     ``enabled=False`` turns it off."""
 
     enabled: bool = True
@@ -223,7 +223,7 @@ class Process(_Choice):
     """Who reads an option. The engine reads every option; these say which other processes need it."""
 
     TARGET_RANK = "target rank"  # tensor-parallel ranks 1.. (``ssd/distributed/worker.py: RunnerArgs``)
-    DRAFT_WORKER = "draft worker"  # SSD's draft process (``ssd/spec/ssd/worker.py``)
+    DRAFT_WORKER = "draft worker"  # SSD's draft process (``ssd/speculative/async_draft/worker.py``)
 
 
 @dataclass(frozen=True)

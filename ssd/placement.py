@@ -17,7 +17,7 @@ from ssd.config import EngineConfig
 from ssd.distributed.launcher import TensorParallelRanks
 from ssd.distributed.layout import ProcessLayout, ProcessPinning, plan_layout
 from ssd.distributed.worker import RunnerArgs, build_runner
-from ssd.executor.model_runner import GraphOptions, ModelRunner
+from ssd.runtime.model_runner import GraphOptions, ModelRunner
 
 
 def plan_engine_layout(config: EngineConfig) -> ProcessLayout:

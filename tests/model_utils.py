@@ -1,4 +1,4 @@
-"""A minimal paged-cache runner for model tests (the engine's real runner lives in ``ssd.executor``).
+"""A minimal paged-cache runner for model tests (the engine's real runner lives in ``ssd.runtime``).
 
 It keeps a block table per sequence, hands out blocks in a shuffled (non-contiguous) order so that tests
 exercise real slot mapping, and runs any mix of prefill chunks and decode tokens of several sequences as
@@ -11,7 +11,7 @@ import random
 
 import torch
 
-from ssd.executor.attention_layout import SequenceLayout, block_slots, build_attention_metadata
+from ssd.models.attention_layout import SequenceLayout, block_slots, build_attention_metadata
 from ssd.models.decoder import DecoderLM
 
 

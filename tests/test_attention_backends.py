@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from ssd.executor.attention import AttentionMetadata, DenseAttentionMetadata, KVCache, paged_attention
-from ssd.executor.attention_layout import SequenceLayout, build_attention_metadata
-from ssd.executor.host_transfer import arrays_to_device
-from ssd.executor.static_batch import BucketShape, pack_step
+from ssd.models.attention import AttentionMetadata, DenseAttentionMetadata, KVCache, paged_attention
+from ssd.models.attention_layout import SequenceLayout, build_attention_metadata
+from ssd.runtime.host_transfer import arrays_to_device
+from ssd.runtime.static_batch import BucketShape, pack_step
 
 BLOCK, NUM_BLOCKS, HEAD_DIM = 4, 24, 16
 PAD_SLOT = (NUM_BLOCKS - 1) * BLOCK  # the last block is reserved for padding writes
@@ -151,7 +151,7 @@ def test_arrays_to_device_roundtrip_cuda() -> None:
 
 
 def test_build_step_tensors_matches_separate_builds() -> None:
-    from ssd.executor.attention_layout import build_step_tensors
+    from ssd.models.attention_layout import build_step_tensors
 
     layouts = _layouts([3, 1, 2], [7, 5, 9], True, seed=4)
     ids, positions, rows = [5, 6, 7, 8, 9, 10], np.array([4, 5, 6, 4, 7, 8]), [2, 3, 5]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf import quants
 
-from ssd.executor.row_attention import available as row_attention_available
+from ssd.models.row_attention import available as row_attention_available
 from ssd.models import block_quant
 from ssd.models.block_quant import (
     BlockKind,

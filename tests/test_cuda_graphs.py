@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from ssd.executor.attention_layout import SequenceLayout, block_slots, build_attention_metadata
-from ssd.executor.cuda_graphs import GraphRunner, GraphRunnerConfig
-from ssd.executor.forward_items import FlatStep, ForwardItem, flatten_items
-from ssd.executor.static_batch import BucketPolicy, BucketShape, pack_step
+from ssd.models.attention_layout import SequenceLayout, block_slots, build_attention_metadata
+from ssd.runtime.cuda_graphs import GraphRunner, GraphRunnerConfig
+from ssd.runtime.forward_items import FlatStep, ForwardItem, flatten_items
+from ssd.runtime.static_batch import BucketPolicy, BucketShape, pack_step
 from ssd.models.loader import load_model
 
 BLOCK = 4
@@ -271,7 +271,7 @@ def test_model_runner_static_path_equals_eager(checkpoint_factory):
     """ModelRunner wired to a GraphRunner (static buffers, padded buckets, pad block beyond the pool; capture
     off so it runs on CPU) gives the eager runner's logits for prefill, decode and K+1 verification, and
     sends steps no bucket fits (long prefill) down the eager path."""
-    from ssd.executor.model_runner import GraphOptions, ModelRunner
+    from ssd.runtime.model_runner import GraphOptions, ModelRunner
 
     path = str(checkpoint_factory("qwen3", num_heads=4, num_kv_heads=2))
     kwargs = dict(block_size=4, max_model_len=64, kv_cache_memory=None, kv_cache_fraction=0.25, num_blocks=40,

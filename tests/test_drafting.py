@@ -9,7 +9,7 @@ import torch
 
 from ssd.sample.sampler import SamplingTensors, processed_probs, sample
 from ssd.sampling_params import SamplingParams
-from ssd.spec.drafting import DraftDistribution
+from ssd.speculative.drafting import DraftDistribution
 
 TARGET_VOCAB = 64
 USABLE = 60  # target ids 60..63 can never be proposed

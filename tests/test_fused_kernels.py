@@ -15,14 +15,14 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from ssd.executor.attention import (  # noqa: E402
+from ssd.models.attention import (  # noqa: E402
     DenseAttentionMetadata,
     KVCache,
     dense_attention,
     write_kv,
 )
-from ssd.executor.attention_layout import SequenceLayout, build_attention_metadata  # noqa: E402
-from ssd.executor.static_batch import BucketPolicy, StaticInputs, pack_step  # noqa: E402
+from ssd.models.attention_layout import SequenceLayout, build_attention_metadata  # noqa: E402
+from ssd.runtime.static_batch import BucketPolicy, StaticInputs, pack_step  # noqa: E402
 from ssd.models.decoder import RMSNorm  # noqa: E402
 from ssd.models.loader import load_model  # noqa: E402
 from ssd.models.rope import RotaryEmbedding, apply_rope  # noqa: E402

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ssd import LLM, SamplingParams
-from ssd.executor.model_runner import ModelRunner
+from ssd.runtime.model_runner import ModelRunner
 from ssd.models import cpu_fused, layer_stack
 from ssd.models.loader import load_model
 from ssd.models.weight_formats import pack_weights

@@ -1,4 +1,4 @@
-"""Adaptive lookahead (ssd/spec/lookahead.py): exact estimates, the choice of K, exploration, validation."""
+"""Adaptive lookahead (ssd/speculative/lookahead.py): exact estimates, the choice of K, exploration, validation."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 
 from ssd.config import SpeculativeConfig
 from ssd.options import AdaptiveMode
-from ssd.spec.lookahead import LookaheadPolicy, _Line, logit_shift
+from ssd.speculative.lookahead import LookaheadPolicy, _Line, logit_shift
 
 
 def test_line_fit_is_exact_and_needs_two_x_values():
@@ -189,7 +189,7 @@ def test_config_accepts_adaptive_lookahead_for_both_methods():
 def test_engine_builds_the_policy_the_setting_asks_for(checkpoint_factory):
     from ssd import LLM
 
-    from ssd.spec.lookahead import auto_min_batch_size
+    from ssd.speculative.lookahead import auto_min_batch_size
 
     assert auto_min_batch_size("ssd") == 2  # one sequence keeps the full K under SSD
     assert auto_min_batch_size("draft_model") == auto_min_batch_size("ngram") == 1

@@ -1,4 +1,4 @@
-"""Prompt lookup (ssd/spec/lookup.py): exact proposals, the incremental index, and how drafts use it."""
+"""Prompt lookup (ssd/speculative/lookup.py): exact proposals, the incremental index, and how drafts use it."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch
 from ssd.config import SpeculativeConfig
 from ssd.outputs import SpecStats
 from ssd.sampling_params import SamplingParams
-from ssd.spec.drafting import DraftDistribution
+from ssd.speculative.drafting import DraftDistribution
 from ssd.options import LookupConfig
-from ssd.spec.lookup import MAX_CANDIDATES, PromptLookup, copied_run, new_lookup
-from ssd.spec.ssd.protocol import SpeculationMsg, decode_message
+from ssd.speculative.lookup import MAX_CANDIDATES, PromptLookup, copied_run, new_lookup
+from ssd.speculative.async_draft.wire.protocol import SpeculationMsg, decode_message
 
 
 def reference(context: list[int], min_n: int, max_n: int) -> int | None:
@@ -154,7 +154,7 @@ def test_copied_drafts_skip_the_draft_forward():
     all copies runs none (its K/V stays where it was); a drawn draft that prompt lookup then continues leaves
     the copies, and the draft before them, for the row's next forward (next round's catch-up)."""
     from ssd.core.sequence import Sequence
-    from ssd.spec.drafting import draft_sequentially
+    from ssd.speculative.drafting import draft_sequentially
 
     greedy = SamplingParams(temperature=0.0)
     repeating = Sequence(0, [1, 2, 3, 4, 1, 2, 3, 4, 1, 2], greedy)  # lookup copies 3, 4, 1, ...

@@ -1,4 +1,4 @@
-"""The row-invariant attention kernel (ssd/executor/row_attention.py): against SDPA and a float64 reference on
+"""The row-invariant attention kernel (ssd/models/row_attention.py): against SDPA and a float64 reference on
 every layout the engine builds, bitwise row invariance (a token's result alone, in a verification, in a padded
 batch, at any thread count), and a w8a8 target decoding the same tokens in every mode and batch shape."""
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from ssd.executor.attention import KVCache, attend_cached
-from ssd.executor.attention_layout import SequenceLayout, build_attention_metadata
-from ssd.executor.row_attention import available
+from ssd.models.attention import KVCache, attend_cached
+from ssd.models.attention_layout import SequenceLayout, build_attention_metadata
+from ssd.models.row_attention import available
 from ssd.models import weight_formats
 from ssd_utils import assert_every_mode_decodes_like_ar, make_perturbed_draft
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ssd import LLM, SamplingParams
-from ssd.spec.ssd.fanout import fold_fan_out
+from ssd.speculative.async_draft.planning.fanout import fold_fan_out
 from ssd_utils import ExactJoint, chi_square_gof, exact_joint, make_corrupt_checkpoint, make_perturbed_draft
 
 BLOCK = 16

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ssd.spec.ssd.build_clock import BuildClock
+from ssd.speculative.async_draft.planning.build_clock import BuildClock
 
 
 class Fake:

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from ssd.spec.ssd.calibration import NUM_BUCKETS, AcceptanceCalibration
+from ssd.speculative.async_draft.planning.calibration import NUM_BUCKETS, AcceptanceCalibration
 
 
 def test_without_data_the_rate_is_the_draft_probability():

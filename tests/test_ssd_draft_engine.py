@@ -19,15 +19,15 @@ import torch
 from model_utils import PagedSession
 from ssd.core.block_pool import BlockPool
 from ssd.core.kv_cache_manager import KVCacheManager
-from ssd.executor.model_runner import ModelRunner
+from ssd.runtime.model_runner import ModelRunner
 from ssd.options import Fallback
 from ssd.sample.sampler import SamplingTensors, processed_probs
 from ssd.sampling_params import SamplingParams
-from ssd.spec.drafting import DraftDistribution
-from ssd.spec.ssd.draft_engine import DraftEngine
-from ssd.spec.ssd.draft_state import SpeculateRow, SpeculationResult
-from ssd.spec.ssd.dynamic_fanout import DynamicFanOut, Outcome, dynamic_branches, keeps_drafting
-from ssd.spec.ssd.fanout import FanOutPlan, per_k_counts
+from ssd.speculative.drafting import DraftDistribution
+from ssd.speculative.async_draft.draft_engine import DraftEngine
+from ssd.speculative.async_draft.draft_state import SpeculateRow, SpeculationResult
+from ssd.speculative.async_draft.planning.dynamic_fanout import DynamicFanOut, Outcome, dynamic_branches, keeps_drafting
+from ssd.speculative.async_draft.planning.fanout import FanOutPlan, per_k_counts
 
 K = 3
 BLOCK = 4  # small blocks: glue and scratch regions straddle block boundaries

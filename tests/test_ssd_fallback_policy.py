@@ -4,7 +4,7 @@ import pytest
 
 from ssd.config import EngineConfig, SpeculativeConfig
 from ssd.resolve import resolve_config, resolve_filler_padding
-from ssd.spec.ssd.fallback_policy import FallbackPolicy
+from ssd.speculative.async_draft.planning.fallback_policy import FallbackPolicy
 
 E, X = FallbackPolicy.EXPLORE_ROUNDS, FallbackPolicy.EXPLOIT_ROUNDS
 CYCLES = FallbackPolicy.MIN_MEASURED_ROUNDS // E  # exploration cycles before the first exploit window

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from ssd.spec.ssd.dynamic_fanout import DynamicFanOut, dynamic_branches, keeps_drafting
-from ssd.spec.ssd.fanout import (
+from ssd.speculative.async_draft.planning.dynamic_fanout import DynamicFanOut, dynamic_branches, keeps_drafting
+from ssd.speculative.async_draft.planning.fanout import (
     AcceptanceEstimator,
     BudgetController,
     FanOut,
@@ -498,7 +498,7 @@ def _worker_config(**overrides):
 
 
 def test_planner_steers_the_budget_of_auto_and_dynamic_policies_only():
-    from ssd.spec.ssd.worker import FanOutPlanner
+    from ssd.speculative.async_draft.worker import FanOutPlanner
 
     planner = FanOutPlanner(_worker_config(fan_out="4,2,1,1,0", fan_out_miss="auto"))
     assert sum(planner.plan(True, 4)) == 8 and sum(planner.plan(False, 4)) == 10
@@ -519,7 +519,7 @@ def test_planner_steers_the_budget_of_auto_and_dynamic_policies_only():
 
 
 def test_planner_feeds_only_auto_estimators():
-    from ssd.spec.ssd.worker import FanOutPlanner
+    from ssd.speculative.async_draft.worker import FanOutPlanner
 
     planner = FanOutPlanner(_worker_config(fan_out="auto", fan_out_miss="dynamic"))
     hit_version, miss_version = planner.hit.estimator.version, planner.miss.estimator.version

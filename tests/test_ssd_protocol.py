@@ -8,7 +8,7 @@ import threading
 import numpy as np
 import pytest
 
-from ssd.spec.ssd.protocol import (
+from ssd.speculative.async_draft.wire.protocol import (
     PROTOCOL_VERSION,
     Command,
     ErrorMsg,

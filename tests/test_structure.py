@@ -59,8 +59,8 @@ def test_only_the_front_ends_import_the_engine():
 
 def test_the_engine_reads_proposers_only_through_their_interface():
     graph = _import_graph_module().import_graph(ROOT, type_checking=True)
-    methods = ("ssd.spec.ssd", "ssd.spec.draft_proposer", "ssd.spec.ngram_proposer", "ssd.spec.drafting")
-    for module in ("ssd.engine", "ssd.executor.step_executor"):
+    methods = ("ssd.speculative.async_draft", "ssd.speculative.draft_proposer", "ssd.speculative.ngram_proposer", "ssd.speculative.drafting")
+    for module in ("ssd.engine", "ssd.step"):
         assert [m for m in graph[module] if m.startswith(methods)] == [], module
 
 
@@ -88,7 +88,7 @@ def _attributes_read(path: Path, owner: str) -> set[str]:
 def test_the_draft_worker_reads_only_options_declared_for_it():
     """The process column of the declarations is what the worker reads: a new option the worker starts to read
     must be declared for it (or this fails)."""
-    worker = ROOT / "ssd" / "spec" / "ssd" / "worker.py"
+    worker = ROOT / "ssd" / "speculative" / "async_draft" / "worker.py"
     derived = {"lookup": {"prompt_lookup", "prompt_lookup_min", "prompt_lookup_max"},
                "fan_outs": {"fan_out", "fan_out_miss"},  # properties of SpeculativeConfig
                "spec": set()}  # EngineConfig's speculative options, checked as SpeculativeConfig's

@@ -20,7 +20,7 @@ from ssd.distributed.comm import TensorParallelError
 from ssd.distributed.launcher import TensorParallelRanks
 from ssd.distributed.layout import plan_layout
 from ssd.distributed.worker import RunnerArgs, build_runner
-from ssd.executor.forward_items import ForwardItem
+from ssd.runtime.forward_items import ForwardItem
 from ssd.models.parallel import partition_heads, partition_vocab
 from ssd_utils import make_perturbed_draft
 

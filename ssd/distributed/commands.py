@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ssd.executor.forward_items import ForwardItem
+    from ssd.runtime.forward_items import ForwardItem
 
 
 @dataclass

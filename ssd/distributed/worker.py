@@ -1,6 +1,6 @@
 """Tensor-parallel worker rank: join the group, load this rank's shard, run forwards until told to stop.
 
-The loop mirrors the driver's :class:`~ssd.executor.model_runner.ModelRunner`: every command the driver
+The loop mirrors the driver's :class:`~ssd.runtime.model_runner.ModelRunner`: every command the driver
 broadcasts is one forward pass that all ranks run together (the collectives inside the model pair them up).
 Workers own no scheduler or sampler state, so a worker is a pure function of the command stream.
 """
@@ -20,7 +20,7 @@ from ssd.options import ACTIVATION_QUANTIZED_FORMATS, Process, WeightFormat, opt
 
 if TYPE_CHECKING:
     from ssd.config import EngineConfig
-    from ssd.executor.model_runner import GraphOptions, ModelRunner
+    from ssd.runtime.model_runner import GraphOptions, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def place_process(device: str, num_threads: int | None, cpus: list[int] | None) 
 def build_runner(
     args: RunnerArgs, device: str, tp: TensorParallelGroup | None, graphs: "GraphOptions | None" = None
 ) -> "ModelRunner":
-    from ssd.executor.model_runner import ModelRunner  # the runner imports this package: import late
+    from ssd.runtime.model_runner import ModelRunner  # the runner imports this package: import late
 
     return ModelRunner(
         args.model,

@@ -7,7 +7,7 @@ with them, 10.5 ms fused; its products take ~6.5). ``DecoderLM.enable_fused_kern
 each layer through ``fused_forward`` instead, where a C++ kernel (``csrc/cpu_fused.cpp``, compiled on first use
 like the other CPU kernels, ``ssd/models/native.py``) does the residual add with the norm after it, and RoPE with
 the cache write, in one call each. There is no ``dense_attention`` here: attention stays on the CPU paths of
-:func:`ssd.executor.attention.attend_cached`. Where every projection is block-quantized, :func:`layer_stack`
+:func:`ssd.models.attention.attend_cached`. Where every projection is block-quantized, :func:`layer_stack`
 goes further and runs all the layers in one C++ call (:mod:`ssd.models.layer_stack`).
 
 Numerics: RoPE gives the unfused path's bits (products rounded, then the sum); the norm sums its squares in a

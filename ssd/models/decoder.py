@@ -24,15 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssd.executor.attention import (
+from ssd.models import cpu_fused
+from ssd.models.arch import ModelArchConfig
+from ssd.models.attention import (
     AttentionMetadata,
     DenseAttentionMetadata,
     KVCache,
     attend_cached,
     paged_attention,
 )
-from ssd.models import cpu_fused
-from ssd.models.arch import ModelArchConfig
 from ssd.models.parallel import (
     LinearProduct,
     RowParallelLinear,

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ssd.executor.attention import AttentionMetadata, KVCache
+from ssd.models.attention import AttentionMetadata, KVCache
 from ssd.models.block_quant import BlockQuantProduct
 from ssd.models.native import cpu_kernels, cpu_kernels_available
 

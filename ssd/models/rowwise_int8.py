@@ -23,7 +23,7 @@ attention is not: the SDPA calls of a decode step, a K + 1 verification and a pr
 a last-bit matter in float weights (fp16-packed logits differ by ~6e-5 between those paths on the default
 target) that per-row activation rounding amplifies (a flipped rounding step, then 30 layers: 4.5 in the
 logits), so SD and SSD would not reproduce AR. A w8a8 target therefore computes attention with the
-row-invariant kernel (``ssd/executor/row_attention.py``), with which its logits are bitwise identical on all
+row-invariant kernel (``ssd/models/row_attention.py``), with which its logits are bitwise identical on all
 three paths (``bench/step_invariance.py``). A w8a8 target is a different model from its checkpoint. Quality:
 on the default target, teacher-forced top-1 agreement with its float32 checkpoint is 90% (fp16-packed: 100%;
 ``bench/quant_agreement.py``); a draft's numerics only change its acceptance, which

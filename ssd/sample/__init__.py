@@ -1,1 +1,2 @@
-"""Sampling: logits processing (temperature, top-k, top-p) and per-request random generators."""
+"""Sampling: logits processing (temperature, top-k, top-p), per-request random generators, and the rejection
+sampling that verifies drafts (``rejection``)."""

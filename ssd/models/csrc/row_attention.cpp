@@ -1,6 +1,6 @@
 // Row-invariant paged attention on CPU: every (query row, head) by a fixed sequence of its own, so a token's
 // result is bitwise the same in a decode step, a verification, a prefill chunk or any batch, at any thread count.
-// Documented in ssd/executor/row_attention.py.
+// Documented in ssd/models/row_attention.py.
 #include "cpu_kernels.h"
 
 #include <ATen/Parallel.h>

@@ -1,1 +1,0 @@
-"""Model execution: batch -> model inputs, forward passes, KV tensors, attention backends."""

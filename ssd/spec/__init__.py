@@ -1,1 +1,0 @@
-"""Speculative decoding: verification, draft proposers and SSD."""

@@ -1,1 +1,0 @@
-"""SSD (speculative speculative decoding): fan-out planning, wire protocol, draft worker and client."""

@@ -1,0 +1,256 @@
+"""Target-side SSD proposer: talks to the draft worker process and survives its failure.
+
+Each round it sends the outcome of the previous verification (k and the newly committed tokens) and gets
+the next speculation back, from the worker's cache on a hit or from the fallback on a miss. If the worker
+cannot start, dies, or does not answer within ``draft_timeout_s``, the client logs it once, stops the
+process, and from then on proposes nothing: every accepted request finishes by plain decoding, with the
+same tokens (verification with zero drafts is exactly target sampling).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import time
+
+import numpy as np
+import torch
+
+from ssd.core.sequence import Sequence
+from ssd.options import Fallback
+from ssd.speculative.async_draft.planning.fallback_policy import FallbackPolicy
+from ssd.speculative.async_draft.wire import protocol as wire
+from ssd.speculative.async_draft.worker import WorkerConfig, run_draft_worker
+from ssd.speculative.proposal import DraftStatistics, Proposal, ProposalRequest, VerifiedRound
+
+logger = logging.getLogger(__name__)
+
+
+class DraftWorkerError(RuntimeError):
+    pass
+
+
+class SSDProposer:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        fallback: Fallback,
+        timeout_s: float,
+        start_timeout_s: float = 300.0,
+        build_first_round: bool = False,
+    ) -> None:
+        """``build_first_round``: the engine's prompt step emits its token without drafts, so the worker can
+        build each new sequence's first-round cache while the target computes the prompt."""
+        self.config = config
+        self.timeout_s = timeout_s
+        self.build_first_round = build_first_round
+        self.vocab_size = config.target_vocab_size
+        self.K = config.spec.num_speculative_tokens
+        self._statistics = DraftStatistics()
+        self.available = True
+        self.failure: str | None = None
+        self._told: dict[int, int] = {}  # seq_id -> tokens the worker has been sent
+        self._last_k: dict[int, int] = {}
+        self._round_ids = itertools.count()
+        self._fallback = FallbackPolicy(fallback)
+        self._round: tuple[int, float] | None = None  # (batch size, proposal requested at) of the open round
+        self._probs_buffer: np.ndarray | None = None
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe(duplex=True)
+        self._process = ctx.Process(target=run_draft_worker, args=(child, config), name="ssd-draft", daemon=True)
+        self._process.start()
+        child.close()
+        try:
+            reply = self._receive(start_timeout_s)
+            if isinstance(reply, wire.ErrorMsg):
+                raise DraftWorkerError(reply.message)
+        except DraftWorkerError as exc:
+            self._fail(str(exc))
+
+    # ------------------------------------------------------------------ transport
+    def _receive(self, timeout: float):
+        try:
+            if not self._conn.poll(timeout):
+                raise DraftWorkerError(f"draft worker did not answer within {timeout:.1f} s")
+            return wire.decode_message(self._conn.recv_bytes())
+        except (EOFError, OSError, ValueError) as exc:
+            raise DraftWorkerError(f"lost the draft worker: {exc!r}") from exc
+
+    def _send(self, msg) -> None:
+        try:
+            self._conn.send_bytes(msg.pack())
+        except (OSError, ValueError) as exc:
+            raise DraftWorkerError(f"lost the draft worker: {exc!r}") from exc
+
+    def _fail(self, reason: str) -> None:
+        if self.available:
+            logger.error("SSD draft worker unavailable (%s); continuing without speculation", reason)
+        self.available = False
+        self.failure = reason
+        self._stop_process(graceful=False)
+
+    # ------------------------------------------------------------------ proposer interface
+    def prepare(self, seqs: list[Sequence]) -> None:
+        """Start the draft's prefill for sequences it has not seen, while the target computes them."""
+        fresh = [s for s in seqs if s.seq_id not in self._told]
+        if not fresh or not self.available:
+            return
+        first = [self._first_round_drafts(s) for s in fresh]
+        try:
+            self._send(_prefill_message(fresh, first))
+        except DraftWorkerError as exc:
+            self._fail(str(exc))
+            return
+        for seq, n in zip(fresh, first):
+            self._told[seq.seq_id] = seq.num_tokens
+            # With a first-round cache the prompt step counts as a round of 0 drafts: its token is the bonus.
+            self._last_k[seq.seq_id] = 0 if n > 0 else -1
+
+    def _first_round_drafts(self, seq: Sequence) -> int:
+        """Drafts per branch of the first-round cache the worker builds after prefilling ``seq``; 0 unless
+        this step is the prompt's (a sequence re-prefilled after preemption speculates in this very step)."""
+        if not self.build_first_round or seq.num_output_tokens > 0:
+            return 0
+        return max(0, min(self.K, seq.sampling_params.max_tokens - 2))  # the first round follows one token
+
+    def propose(self, requests: list[ProposalRequest]) -> Proposal:
+        if not self.available:
+            return self._empty(requests)
+        self._round = (len(requests), time.perf_counter())
+        self.prepare([r.seq for r in requests])
+        rows = []
+        for r in requests:
+            seq = r.seq
+            told = self._told[seq.seq_id]
+            rows.append((seq.seq_id, seq.token_ids[told:], self._last_k[seq.seq_id], r.num_drafts,
+                         self._tree_depth(r)))
+            self._told[seq.seq_id] = seq.num_tokens
+        fallback = self._fallback.choose(len(requests))
+        round_id = next(self._round_ids)
+        try:
+            msg = wire.SpeculateMsg.from_lists(round_id, *zip(*rows))
+            msg.fallback = int(wire.FallbackKind.RANDOM if fallback is Fallback.RANDOM else wire.FallbackKind.JIT)
+            self._send(msg)
+            reply = self._receive(self.timeout_s)
+        except DraftWorkerError as exc:
+            self._fail(str(exc))
+            return self._empty(requests)
+        if isinstance(reply, wire.ErrorMsg) or getattr(reply, "round_id", round_id) != round_id:
+            self._fail(reply.message if isinstance(reply, wire.ErrorMsg) else "draft worker answered out of order")
+            return self._empty(requests)
+        if reply.batch_size != len(requests) or any(
+            n > r.num_drafts for n, r in zip(reply.num_drafts.tolist(), requests)
+        ):
+            self._fail("draft worker answered with more rows or drafts than requested")
+            return self._empty(requests)
+        proposal = self._to_proposal(reply, requests)
+        self._account(proposal, reply)
+        return proposal
+
+    def _tree_depth(self, request: ProposalRequest) -> int:
+        """Drafts per branch of the cache the worker builds during this round: K (so that a hit can serve
+        whatever lookahead the next round chooses), fewer only when the request cannot use K more tokens."""
+        seq = request.seq
+        remaining = seq.sampling_params.max_tokens - seq.num_output_tokens - 1
+        return max(request.num_drafts, min(self.K, remaining))
+
+    def _to_proposal(self, reply, requests: list[ProposalRequest]) -> Proposal:
+        tokens = torch.from_numpy(reply.draft_tokens)  # [B, K]
+        shape = (reply.batch_size, reply.draft_tokens.shape[1], self.vocab_size)
+        if self._probs_buffer is None or self._probs_buffer.shape != shape:
+            self._probs_buffer = np.empty(shape, dtype=np.float32)
+        # Reused every round (megabytes at V ~ 50k; fresh pages cost more than the copy). The proposal is
+        # consumed by verification before the next round overwrites it.
+        probs = torch.from_numpy(reply.dense_probs(self.vocab_size, out=self._probs_buffer))  # [B, K, V]
+        hits = reply.hit.tolist()
+        fallbacks = [None if hit else wire.FallbackKind(kind).name.lower() for hit, kind in zip(hits, reply.fallback)]
+        copied = torch.from_numpy(reply.copied)  # [B, K]
+        # A random filler's drafts are prompt-lookup copies (or none), not the draft model's guesses.
+        informative = [kind != Fallback.RANDOM for kind in fallbacks]
+        return Proposal(tokens, probs, reply.num_drafts.tolist(), hits, fallbacks, copied, informative)
+
+    def _account(self, proposal: Proposal, reply) -> None:
+        stats = self._statistics
+        stats.build_time_s += reply.cache_build_s
+        stats.build_branches += reply.cache_branches
+        stats.builds += int(reply.cache_branches > 0)
+        stats.builds_cut_short += reply.cache_cut_short
+
+    def statistics(self) -> DraftStatistics:
+        return self._statistics
+
+    def _empty(self, requests: list[ProposalRequest]) -> Proposal:
+        b = len(requests)
+        return Proposal(
+            torch.zeros(b, 1, dtype=torch.long),
+            torch.zeros(b, 1, self.vocab_size),
+            [0] * b,
+            [False] * b,
+            ["none"] * b,
+        )
+
+    def on_verified(self, rounds: list[VerifiedRound]) -> None:
+        if self._round is not None:
+            batch_size, started = self._round
+            self._fallback.observe_round(batch_size, sum(len(r.output_tokens) for r in rounds),
+                                         time.perf_counter() - started)
+            self._round = None
+        for r in rounds:
+            if r.seq.seq_id in self._last_k:
+                self._last_k[r.seq.seq_id] = r.num_accepted
+
+    def release(self, seq: Sequence) -> None:
+        if self._told.pop(seq.seq_id, None) is None:
+            return
+        self._last_k.pop(seq.seq_id, None)
+        if self.available:
+            try:
+                self._send(wire.ReleaseMsg(seq_ids=np.array([seq.seq_id], dtype=np.int64)))
+            except DraftWorkerError as exc:
+                self._fail(str(exc))
+
+    def shutdown(self) -> None:
+        if self._process is None:
+            return
+        if self.available and self._process.is_alive():
+            try:
+                self._send(wire.ShutdownMsg())
+            except DraftWorkerError:
+                pass
+        self._stop_process()
+
+    def _stop_process(self, graceful: bool = True) -> None:
+        """``graceful``: the worker was told to shut down, so give it time to exit. A failed worker (dead,
+        hung, stopped) is killed at once: waiting would only stall the engine, and SIGTERM stays pending
+        on a stopped process."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if graceful:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+        process.join()
+        self._conn.close()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+
+def _prefill_message(seqs: list[Sequence], first_round_drafts: list[int]) -> wire.PrefillMsg:
+    params = [s.sampling_params for s in seqs]
+    return wire.PrefillMsg.from_lists(
+        [s.seq_id for s in seqs],
+        [s.token_ids for s in seqs],
+        [p.temperature for p in params],
+        [max(p.top_k, 0) for p in params],
+        [p.top_p for p in params],
+        [p.is_greedy for p in params],
+        [p.seed for p in params],
+        first_round_drafts,
+    )

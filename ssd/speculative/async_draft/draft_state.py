@@ -1,0 +1,78 @@
+"""The SSD draft engine's per-sequence state and its step inputs and outputs (see ``draft_engine.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ssd.core.sequence import Sequence
+from ssd.speculative.lookup import PromptLookup, copied_token
+
+
+@dataclass
+class CachedSpeculation:
+    tokens: list[int]  # e_1..e_K
+    probs: torch.Tensor | None  # [K, V] the exact q each e_j was drawn from (None for greedy sequences)
+    copied: list[bool]  # which e_j prompt lookup copied
+
+
+@dataclass
+class DraftSeqState:
+    mirror: Sequence  # committed tokens; num_computed_tokens = tokens whose draft K/V is valid
+    generator: torch.Generator
+    speculation: list[int] = field(default_factory=list)  # last returned [t_n, e_1..e_n] (n <= K_i)
+    lookahead: int = 0  # tokens each tree branch drafts for the next round (the last request's tree depth)
+    num_valid_drafts: int = 0  # leading e_j whose K/V sits in natural slots (glue: all K, jit: K-1)
+    copied: list[bool] = field(default_factory=list)  # which of e_1..e_n prompt lookup copied
+    # the draft's probability of each of e_1..e_n where a dynamic fork computed them (else empty): checked
+    # against the verified outcome to calibrate the next forks (``calibration.py``)
+    confidences: list[float] = field(default_factory=list)
+    fan_out: list[int] = field(default_factory=list)  # F_0..F_K of the next cache build (Saguaro scales these)
+    cache: dict[tuple[int, int], CachedSpeculation] = field(default_factory=dict)
+    lookup: PromptLookup | None = None  # prompt lookup over the mirror's tokens
+
+    def copy(self, tail: list[int]) -> int | None:
+        """What prompt lookup proposes after the committed tokens and ``tail``, if anything."""
+        return copied_token(self.lookup, tail)
+
+    @property
+    def greedy(self) -> bool:
+        return self.mirror.sampling_params.is_greedy
+
+
+@dataclass
+class SpeculateRow:
+    seq_id: int
+    new_tokens: list[int]  # committed tokens the draft has not seen (ends with the pending token)
+    num_accepted: int  # k of the round just verified; -1 when there was none (a first round with no cache built
+    # after the prefill, or after a reset); 0 for a first round after a first-round build (its prompt's step)
+    num_drafts: int  # K_i of this round
+    lookahead: int | None = None  # drafts per branch of the next cache (>= num_drafts); None: num_drafts
+
+    @property
+    def tree_depth(self) -> int:
+        return self.num_drafts if self.lookahead is None else self.lookahead
+
+
+@dataclass
+class SpeculationResult:
+    tokens: list[int]
+    probs: torch.Tensor | None  # [K, V]; None for greedy sequences (q is one-hot at the token)
+    hit: bool
+    fallback: Fallback | None  # None on a hit
+    copied: list[bool]  # which tokens prompt lookup copied
+
+
+@dataclass
+class BuildStats:
+    seconds: float = 0.0
+    num_branches: int = 0
+    depth: int = 0  # tree steps run: tokens per branch (the longest lookahead unless cut short)
+    cut_short: bool = False  # stopped before its full depth: the next request was waiting or due
+    fan_outs: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> F_0..F_K built (dynamic: as forked)
+
+
+def drafts_before(state: DraftSeqState, k: int, token: int) -> list[int]:
+    """The tokens of branch (k, token) after the committed ones: e_1..e_k, then the token."""
+    return state.speculation[1 : k + 1] + [token]

@@ -1,0 +1,47 @@
+"""Assemble the SSD proposer: size the draft's KV cache, start the worker on the cores the engine's process
+layout reserved for it."""
+
+from __future__ import annotations
+
+import logging
+
+from ssd.config import EngineConfig
+from ssd.runtime.model_runner import GraphOptions
+from ssd.speculative.async_draft.client import SSDProposer
+from ssd.speculative.async_draft.planning.fanout import max_fan_out_budget
+from ssd.speculative.async_draft.worker import WorkerConfig
+from ssd.speculative.draft_fit import check_draft_vocabulary, draft_num_blocks
+from ssd.speculative.proposal import TargetFacts
+from ssd.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def build_ssd_proposer(
+    config: EngineConfig, target: TargetFacts, tokenizer: Tokenizer, draft_cpus: list[int] | None
+) -> SSDProposer:
+    spec = config.spec
+    K = spec.num_speculative_tokens
+    # Validate everything the worker would reject before paying for a process start.
+    budget = max(max_fan_out_budget(f, K, spec.fan_out_budget) for f in spec.fan_outs)
+    usable = check_draft_vocabulary(tokenizer, target, spec.model)
+    device = spec.draft_device or config.device
+    # A tree step decodes `budget` branch tokens per sequence and reads up to K + 1 + K * budget scratch slots
+    # beyond the sequence's own.
+    scratch = K + 1 + K * budget
+    worker = WorkerConfig(
+        engine_config=config,
+        device=device,
+        max_model_len=target.max_model_len,
+        num_blocks=draft_num_blocks(config, target, scratch),
+        target_vocab_size=target.vocab_size,
+        num_usable_tokens=usable,
+        cpu_affinity=draft_cpus,
+        log_level=logging.getLogger().level,
+        graphs=None if config.enforce_eager else GraphOptions(
+            max_query_len=max(K + 1, budget), max_kv_len=target.max_model_len + scratch, compile=config.compile_model,
+        ),
+    )
+    logger.info("starting SSD draft worker (device %s, cpus %s, K=%d)", device, draft_cpus, K)
+    first_round = not spec.prompt_step_speculation  # the prompt's step runs without drafts: build during it
+    return SSDProposer(worker, spec.fallback, spec.draft_timeout_s, build_first_round=first_round)

@@ -1,0 +1,381 @@
+"""Typed messages of the wire protocol between the target-side SSD client and the draft worker process.
+
+Each message is a dataclass whose array fields (named in ``ARRAYS`` with dtype and rank) travel as raw arrays
+and whose other fields travel as scalars of one :mod:`frame <ssd.speculative.async_draft.wire.frames>`. Messages validate shapes
+and dtypes on construction and on decoding, so a malformed message fails here with a `ProtocolError`
+instead of deep inside the worker. The small arrays of a decoded message are copies (callers own writable
+arrays that never alias a reused receive buffer); only those named in a class's ZERO_COPY
+(SpeculationMsg.probs) stay views, and `SpeculationMsg.dense_probs()` returns a fresh array.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import ClassVar, Union
+
+import numpy as np
+
+from ssd.speculative.async_draft.wire.frames import (  # noqa: F401 - re-exported: the protocol's public names live here
+    PROTOCOL_VERSION,
+    Command,
+    Frame,
+    ProtocolError,
+    Scalar,
+    check_scalar,
+    decode_frame,
+    encode_frame,
+)
+from ssd.speculative.async_draft.wire.message_base import (  # noqa: F401 - pack/split_ragged, scatter_prob_rows: this module's API
+    WireMessage,
+    check_float,
+    check_int,
+    check_ragged,
+    check_rows,
+    pack_ragged,
+    scatter_prob_rows,
+    split_ragged,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class FallbackKind(enum.IntEnum):
+    """How a row of a SPECULATION was produced when the cache missed (NONE for a hit)."""
+
+    NONE = 0
+    JIT = 1
+    RANDOM = 2
+
+_I64 = np.dtype(np.int64)
+_I32 = np.dtype(np.int32)
+_U64 = np.dtype(np.uint64)
+_U8 = np.dtype(np.uint8)
+_F32 = np.dtype(np.float32)
+_BOOL = np.dtype(np.bool_)
+
+
+@dataclass(eq=False)
+class PrefillMsg(WireMessage):
+    """New sequences for the worker: their tokens so far and the sampling options drafts must follow.
+
+    first_round_drafts > 0 asks the worker to build, right after the prefill, the cache for the sequence's
+    first round with that many drafts per branch: candidates for the token the target's prompt step emits on
+    its own (the engine then sends that round with num_accepted = 0). 0: no such build.
+
+    Seeds are uint64 with a `has_seed` mask rather than int64 with -1 = none, because requests may use
+    any seed in [0, 2**64 - 1] (SamplingParams allows it).
+    """
+
+    COMMAND: ClassVar[Command] = Command.PREFILL
+    ARRAYS: ClassVar[dict[str, tuple[np.dtype, int]]] = {
+        "seq_ids": (_I64, 1),
+        "token_ids": (_I64, 1),
+        "lengths": (_I64, 1),
+        "temperature": (_F32, 1),
+        "top_k": (_I32, 1),
+        "top_p": (_F32, 1),
+        "greedy": (_BOOL, 1),
+        "seed": (_U64, 1),
+        "has_seed": (_BOOL, 1),
+        "first_round_drafts": (_I32, 1),
+    }
+
+    seq_ids: np.ndarray  # [B] int64
+    token_ids: np.ndarray  # [N] int64, every sequence's tokens back to back
+    lengths: np.ndarray  # [B] int64, sum == N
+    temperature: np.ndarray  # [B] float32
+    top_k: np.ndarray  # [B] int32, 0 = disabled
+    top_p: np.ndarray  # [B] float32, 1 = disabled
+    greedy: np.ndarray  # [B] bool
+    seed: np.ndarray  # [B] uint64, meaningful where has_seed
+    has_seed: np.ndarray  # [B] bool
+    first_round_drafts: np.ndarray  # [B] int32, 0 = no cache build after the prefill
+
+    def _validate(self) -> None:
+        per_row = ("lengths", "temperature", "top_k", "top_p", "greedy", "seed", "has_seed", "first_round_drafts")
+        check_rows("PrefillMsg", self.seq_ids.shape[0], self, per_row)
+        check_ragged("PrefillMsg", "token_ids", "lengths", self)
+        if (self.first_round_drafts < 0).any():
+            raise ProtocolError("PrefillMsg.first_round_drafts must be >= 0")
+
+    @classmethod
+    def from_lists(
+        cls,
+        seq_ids: Sequence[int],
+        token_ids: Sequence[Sequence[int]],
+        temperature: Sequence[float],
+        top_k: Sequence[int],
+        top_p: Sequence[float],
+        greedy: Sequence[bool],
+        seeds: Sequence[int | None],
+        first_round_drafts: Sequence[int] | None = None,
+    ) -> PrefillMsg:
+        flat, lengths = pack_ragged(token_ids)
+        seed = np.array([0 if s is None else s for s in seeds], dtype=np.uint64)  # [B]
+        has_seed = np.array([s is not None for s in seeds], dtype=np.bool_)  # [B]
+        if first_round_drafts is None:
+            first_round_drafts = [0] * len(seq_ids)
+        return cls(
+            seq_ids=np.asarray(seq_ids, dtype=np.int64), token_ids=flat, lengths=lengths,
+            temperature=np.asarray(temperature, dtype=np.float32), top_k=np.asarray(top_k, dtype=np.int32),
+            top_p=np.asarray(top_p, dtype=np.float32), greedy=np.asarray(greedy, dtype=np.bool_),
+            seed=seed, has_seed=has_seed, first_round_drafts=np.asarray(first_round_drafts, dtype=np.int32),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_ids.shape[0])
+
+    def token_lists(self) -> list[np.ndarray]:
+        return split_ragged(self.token_ids, self.lengths)
+
+    def seed_of(self, row: int) -> int | None:
+        return int(self.seed[row]) if self.has_seed[row] else None
+
+
+@dataclass(eq=False)
+class SpeculateMsg(WireMessage):
+    """One decode round: per row, the committed tokens the worker has not seen and last round's outcome.
+
+    num_accepted is k of the previous round (-1 when there was none or it is unknown; 0 for the first round
+    after a prefill with first_round_drafts, whose 'previous round' is the prompt step with no drafts); with
+    the last new token (the recovery/bonus token t*) it forms the cache key (k, t*). num_drafts is this round's K_i;
+    lookahead (>= num_drafts) is how many drafts each branch of the cache built during this round prepares,
+    the most the next round may ask for (more than K_i when the target chooses its lookahead per round).
+    """
+
+    COMMAND: ClassVar[Command] = Command.SPECULATE
+    ARRAYS: ClassVar[dict[str, tuple[np.dtype, int]]] = {
+        "seq_ids": (_I64, 1),
+        "new_token_ids": (_I64, 1),
+        "new_lengths": (_I64, 1),
+        "num_accepted": (_I64, 1),
+        "num_drafts": (_I32, 1),
+        "lookahead": (_I32, 1),
+    }
+
+    round_id: int
+    seq_ids: np.ndarray  # [B] int64
+    new_token_ids: np.ndarray  # [N] int64
+    new_lengths: np.ndarray  # [B] int64, sum == N
+    num_accepted: np.ndarray  # [B] int64, -1 = no previous round / unknown
+    num_drafts: np.ndarray  # [B] int32, K_i
+    lookahead: np.ndarray  # [B] int32, tree depth of the next cache, >= K_i
+    fallback: int = 1  # FallbackKind for the rows that miss (JIT or RANDOM), chosen by the client
+
+    def _validate(self) -> None:
+        self.round_id = check_int("SpeculateMsg", "round_id", self.round_id)
+        self.fallback = check_int("SpeculateMsg", "fallback", self.fallback)
+        if self.fallback not in (FallbackKind.JIT, FallbackKind.RANDOM):
+            raise ProtocolError(f"SpeculateMsg.fallback must be JIT or RANDOM, got {self.fallback}")
+        per_row = ("new_lengths", "num_accepted", "num_drafts", "lookahead")
+        check_rows("SpeculateMsg", self.seq_ids.shape[0], self, per_row)
+        check_ragged("SpeculateMsg", "new_token_ids", "new_lengths", self)
+        if self.num_accepted.size and self.num_accepted.min() < -1:
+            raise ProtocolError("SpeculateMsg.num_accepted must be >= -1 (-1 = no previous round)")
+        if self.num_drafts.size and self.num_drafts.min() < 0:
+            raise ProtocolError("SpeculateMsg.num_drafts must be >= 0")
+        if (self.lookahead < self.num_drafts).any():
+            raise ProtocolError("SpeculateMsg.lookahead must be >= num_drafts in every row")
+
+    @classmethod
+    def from_lists(
+        cls,
+        round_id: int,
+        seq_ids: Sequence[int],
+        new_token_ids: Sequence[Sequence[int]],
+        num_accepted: Sequence[int],
+        num_drafts: Sequence[int],
+        lookahead: Sequence[int] | None = None,
+    ) -> SpeculateMsg:
+        """``lookahead`` defaults to ``num_drafts`` (the next cache prepares as many drafts as this round's)."""
+        flat, lengths = pack_ragged(new_token_ids)
+        return cls(
+            round_id=round_id, seq_ids=np.asarray(seq_ids, dtype=np.int64), new_token_ids=flat,
+            new_lengths=lengths, num_accepted=np.asarray(num_accepted, dtype=np.int64),
+            num_drafts=np.asarray(num_drafts, dtype=np.int32),
+            lookahead=np.asarray(num_drafts if lookahead is None else lookahead, dtype=np.int32),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_ids.shape[0])
+
+    def new_token_lists(self) -> list[np.ndarray]:
+        return split_ragged(self.new_token_ids, self.new_lengths)
+
+
+@dataclass(eq=False)
+class SpeculationMsg(WireMessage):
+    """The worker's answer to SPECULATE: up to K drafts per row, whether they came from the cache, and q.
+
+    Probabilities travel only for the rows that need them (sampled rows; greedy rows are one-hot and the
+    client rebuilds them), as `probs[s]` for row `prob_rows[s]`; `dense_probs` restores [B, K, V].
+    """
+
+    COMMAND: ClassVar[Command] = Command.SPECULATION
+    ARRAYS: ClassVar[dict[str, tuple[np.dtype, int]]] = {
+        "draft_tokens": (_I64, 2),
+        "hit": (_BOOL, 1),
+        "fallback": (_U8, 1),
+        "prob_rows": (_I32, 1),
+        "probs": (_F32, 3),
+        "copied": (_BOOL, 2),
+        "num_drafts": (_I32, 1),
+    }
+    ZERO_COPY: ClassVar[frozenset[str]] = frozenset({"probs"})
+
+    round_id: int
+    draft_tokens: np.ndarray  # [B, K] int64
+    hit: np.ndarray  # [B] bool
+    fallback: np.ndarray  # [B] uint8, FallbackKind
+    prob_rows: np.ndarray  # [S] int32, distinct rows in [0, B)
+    probs: np.ndarray  # [S, K, V] float32
+    copied: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.bool_))  # [B, K]: prompt lookup's
+    # [B] drafts per row (<= K; a random filler may hold fewer), the row's tokens are draft_tokens[i, :n];
+    # empty = K for every row
+    num_drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    cache_build_s: float = 0.0  # how long the worker's last cache build took
+    cache_branches: int = 0  # tree branches of that build, all sequences together
+    cache_cut_short: int = 0  # 1 when that build stopped early: this request was waiting or due
+    serve_s: float = 0.0  # time the worker spent serving this request
+
+    def _validate(self) -> None:
+        owner = "SpeculationMsg"
+        self.round_id = check_int(owner, "round_id", self.round_id)
+        self.cache_build_s = check_float(owner, "cache_build_s", self.cache_build_s)
+        self.cache_branches = check_int(owner, "cache_branches", self.cache_branches)
+        self.cache_cut_short = check_int(owner, "cache_cut_short", self.cache_cut_short)
+        if self.cache_cut_short not in (0, 1):
+            raise ProtocolError(f"{owner}.cache_cut_short must be 0 or 1, got {self.cache_cut_short}")
+        self.serve_s = check_float(owner, "serve_s", self.serve_s)
+        B, K = self.draft_tokens.shape
+        check_rows(owner, B, self, ("hit", "fallback"))
+        if self.copied.size == 0:
+            self.copied = np.zeros((B, K), np.bool_)  # none given: no draft was copied
+        if self.copied.shape != (B, K):
+            raise ProtocolError(f"{owner}.copied must have the shape of draft_tokens {(B, K)}, got {self.copied.shape}")
+        if self.num_drafts.size == 0:
+            self.num_drafts = np.full(B, K, np.int32)
+        check_rows(owner, B, self, ("num_drafts",))
+        if B and (self.num_drafts.min() < 0 or self.num_drafts.max() > K):
+            raise ProtocolError(f"{owner}.num_drafts must lie in [0, K={K}], got {self.num_drafts.tolist()}")
+        if B and int(self.fallback.max()) > max(FallbackKind):
+            raise ProtocolError(f"{owner}.fallback values must be FallbackKind values 0..{max(FallbackKind)}")
+        if np.any(self.hit & (self.fallback != FallbackKind.NONE)):
+            raise ProtocolError(f"{owner}: a row that hit the cache must have fallback NONE")
+        S = self.prob_rows.shape[0]
+        if self.probs.shape[0] != S:
+            raise ProtocolError(f"{owner}.probs has {self.probs.shape[0]} rows but prob_rows lists {S}")
+        if S == 0 and self.probs.shape[1] != K:
+            self.probs = self.probs.reshape(0, K, self.probs.shape[2])  # an empty [0, ?, V] is fine
+        if self.probs.shape[1] != K:
+            raise ProtocolError(f"{owner}.probs has {self.probs.shape[1]} draft positions, expected K={K}")
+        rows = self.prob_rows
+        if S and (rows.min() < 0 or rows.max() >= B or np.unique(rows).size != S):
+            raise ProtocolError(f"{owner}.prob_rows must be distinct row indices in [0, {B})")
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.draft_tokens.shape[0])
+
+    def dense_probs(self, vocab_size: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """[B, K, V] float32, zeros in the rows that sent no probabilities (see `scatter_prob_rows`)."""
+        return scatter_prob_rows(self.prob_rows, self.probs, self.batch_size, vocab_size, out)
+
+
+@dataclass(eq=False)
+class ReleaseMsg(WireMessage):
+    """Forget these sequences (finished, aborted or preempted) and free their draft KV."""
+
+    COMMAND: ClassVar[Command] = Command.RELEASE
+    ARRAYS: ClassVar[dict[str, tuple[np.dtype, int]]] = {"seq_ids": (_I64, 1)}
+
+    seq_ids: np.ndarray  # [B] int64
+
+
+@dataclass(eq=False)
+class ShutdownMsg(WireMessage):
+    COMMAND: ClassVar[Command] = Command.SHUTDOWN
+
+
+@dataclass(eq=False)
+class PingMsg(WireMessage):
+    """Liveness check; the worker answers PONG with the same nonce."""
+
+    COMMAND: ClassVar[Command] = Command.PING
+    nonce: int = 0
+
+    def _validate(self) -> None:
+        self.nonce = check_int("PingMsg", "nonce", self.nonce)
+
+
+@dataclass(eq=False)
+class PongMsg(WireMessage):
+    COMMAND: ClassVar[Command] = Command.PONG
+    nonce: int = 0
+
+    def _validate(self) -> None:
+        self.nonce = check_int("PongMsg", "nonce", self.nonce)
+
+
+@dataclass(eq=False)
+class ReadyMsg(WireMessage):
+    """Acknowledges a request that returns no data (startup, PREFILL, RELEASE); `info` is free-form."""
+
+    COMMAND: ClassVar[Command] = Command.READY
+    info: dict[str, Scalar] = field(default_factory=dict)
+
+    def _validate(self) -> None:
+        self.info = {str(k): check_scalar(str(k), v) for k, v in self.info.items()}
+
+    def _scalar_fields(self) -> dict[str, Scalar]:
+        return dict(self.info)
+
+    @classmethod
+    def _from_frame(cls, frame: Frame) -> ReadyMsg:
+        if frame.arrays:
+            raise ProtocolError(f"malformed READY message: unexpected arrays {sorted(frame.arrays)}")
+        return cls(info=dict(frame.fields))
+
+
+@dataclass(eq=False)
+class ErrorMsg(WireMessage):
+    """The worker failed to serve a request; the client raises with this text."""
+
+    COMMAND: ClassVar[Command] = Command.ERROR
+    message: str = ""
+    traceback: str = ""
+
+    def _validate(self) -> None:
+        if not isinstance(self.message, str) or not isinstance(self.traceback, str):
+            raise ProtocolError("ErrorMsg.message and ErrorMsg.traceback must be strings")
+
+
+Message = Union[
+    PrefillMsg, SpeculateMsg, SpeculationMsg, ReleaseMsg, ShutdownMsg, PingMsg, PongMsg, ReadyMsg, ErrorMsg
+]
+
+_MESSAGE_TYPES: dict[Command, type[WireMessage]] = {
+    cls.COMMAND: cls
+    for cls in (PrefillMsg, SpeculateMsg, SpeculationMsg, ReleaseMsg, ShutdownMsg)
+    + (PingMsg, PongMsg, ReadyMsg, ErrorMsg)
+}
+
+
+def decode_message(data: bytes | bytearray | memoryview) -> Message:
+    """The typed message in `data`; ProtocolError (a ValueError) if it is truncated, unknown or malformed."""
+    frame = decode_frame(data)
+    return _MESSAGE_TYPES[frame.command]._from_frame(frame)  # type: ignore[no-any-return]
+
+
+def send_message(conn: Connection, message: Message) -> None:
+    conn.send_bytes(message.pack())
+
+
+def recv_message(conn: Connection) -> Message:
+    return decode_message(conn.recv_bytes())

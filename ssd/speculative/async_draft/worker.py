@@ -1,0 +1,269 @@
+"""The SSD draft worker: a process of its own that serves speculations and builds the next cache.
+
+A plain function loop (``run_draft_worker``): receive a message, act, and for SPECULATE reply at once and
+then build the cache for the round being verified, which is the work that SSD takes off the critical path;
+after a PREFILL whose rows ask for it, build the cache for those sequences' first round while the target
+computes their prompts. A build ends early when the next request is waiting or due (``BuildClock``).
+It pins itself to its own CPU cores (or uses its own device) so target and draft do not compete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import numpy as np
+import torch
+
+from ssd.config import EngineConfig, SpeculativeConfig
+from ssd.core.block_pool import BlockPool
+from ssd.core.kv_cache_manager import KVCacheManager
+from ssd.options import Fallback, FillerPadding
+from ssd.runtime.model_runner import GraphOptions, ModelRunner
+from ssd.sampling_params import SamplingParams
+from ssd.speculative.async_draft.draft_engine import DraftEngine
+from ssd.speculative.async_draft.draft_state import BuildStats, SpeculateRow
+from ssd.speculative.async_draft.planning.build_clock import BuildClock
+from ssd.speculative.async_draft.planning.fanout import BudgetController, FanOutPlan, fan_out_policy
+from ssd.speculative.async_draft.wire import protocol as wire
+from ssd.speculative.drafting import DraftDistribution
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What the draft worker starts from: the engine's resolved options (it reads those ``ssd/config.py``
+    declares for ``Process.DRAFT_WORKER``) and what the target side worked out for it."""
+
+    engine_config: EngineConfig  # resolved (ssd/resolve.py), with a speculative_config of method "ssd"
+    device: str  # the draft's
+    max_model_len: int  # the target's
+    num_blocks: int  # draft KV blocks: the target's plus scratch for every branch of every running sequence
+    target_vocab_size: int
+    num_usable_tokens: int  # token ids both models can produce
+    cpu_affinity: list[int] | None = None
+    log_level: int = logging.WARNING
+    graphs: GraphOptions | None = None  # CUDA graphs for glue and tree steps (None: eager)
+
+    @property
+    def spec(self) -> SpeculativeConfig:
+        assert self.engine_config.spec is not None
+        return self.engine_config.spec
+
+
+def _pin(config: WorkerConfig) -> None:
+    if config.cpu_affinity and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, config.cpu_affinity)
+    threads = config.spec.draft_threads or (len(config.cpu_affinity) if config.cpu_affinity else None)
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def build_draft_engine(config: WorkerConfig) -> DraftEngine:
+    spec, engine_config = config.spec, config.engine_config
+    runner = ModelRunner(
+        spec.model, spec.draft_dtype, config.device, engine_config.block_size, config.max_model_len,
+        kv_cache_memory=None, kv_cache_fraction=0.5, num_blocks=config.num_blocks,
+        graphs=config.graphs, weight_format=spec.draft_weight_format, fused_kernels=engine_config.fused_kernels,
+    )
+    kv = KVCacheManager(BlockPool(runner.num_blocks, engine_config.block_size, engine_config.enable_prefix_caching))
+    dist = DraftDistribution.for_runner(runner, config.target_vocab_size, config.num_usable_tokens)
+    return DraftEngine(runner, kv, dist, spec.num_speculative_tokens, spec.saguaro_c, engine_config.seed, spec.lookup,
+                       pad_filler=spec.filler_padding is FillerPadding.REPEAT)
+
+
+class FanOutPlanner:
+    """Fan-out for the next cache build: one policy for speculations served from the cache, one for misses."""
+
+    def __init__(self, spec: SpeculativeConfig) -> None:
+        K, budget = spec.num_speculative_tokens, spec.fan_out_budget
+        self.hit, self.miss = (fan_out_policy(f, K, budget) for f in spec.fan_outs)
+        self.adjustable = [p for p in (self.hit, self.miss) if p.adjustable]
+        self.controller = BudgetController(K) if self.adjustable and budget is None else None
+        if self.controller is not None:
+            self._set_budget(self.controller.budget)
+
+    def observe_timing(self, build_s: float, idle_s: float) -> None:
+        """The last cache build took `build_s`, then the draft idled `idle_s` until this request."""
+        if self.controller is not None:
+            self._set_budget(self.controller.observe(build_s, idle_s))
+
+    def _set_budget(self, budget: int) -> None:
+        for policy in self.adjustable:
+            policy.set_budget(budget)
+
+    def observe(self, served_by_hit: bool, k: int, num_drafts: int, hit: bool, fan_out_k: int) -> None:
+        """The policy that planned the cache just looked up learns from the round and the lookup, if it is an
+        "auto" one (fixed and dynamic plans do not read the estimates)."""
+        policy = self.hit if served_by_hit else self.miss
+        if not policy.is_auto:
+            return
+        estimator = policy.estimator
+        estimator.observe_round(num_drafts, k)
+        if fan_out_k > 0:  # no candidates were built for this k: the lookup says nothing about r
+            estimator.observe_lookup(fan_out_k, hit)
+
+    def plan(self, hit: bool, num_drafts: int) -> FanOutPlan:
+        """The plan for the cache after a speculation of `num_drafts` drafts, served by a hit or not."""
+        return (self.hit if hit else self.miss).plan(num_drafts)
+
+
+def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
+    """Process entry point. Returns when told to shut down or when the target side goes away."""
+    logging.basicConfig(level=config.log_level, format="%(asctime)s draft-worker %(levelname)s: %(message)s")
+    try:
+        _pin(config)
+        engine = build_draft_engine(config)
+        planner = FanOutPlanner(config.spec)
+    except Exception as exc:  # report start-up failures to the client instead of dying silently
+        logger.exception("draft worker failed to start")
+        conn.send_bytes(wire.ErrorMsg(f"draft worker failed to start: {exc}").pack())
+        return
+    conn.send_bytes(wire.ReadyMsg().pack())
+    last_plan: dict[int, tuple[bool, int, list[int]]] = {}  # seq_id -> (served by a hit, K_i, F_0..F_K built)
+    first_round: dict[int, int] = {}  # seq_id -> drafts per branch of a first-round cache not built yet
+    built_at: float | None = None  # when the last cache build ended, if no other message came since
+    clock = BuildClock(conn.poll) if config.spec.interruptible_build else None
+    try:
+        while True:
+            data = conn.recv_bytes()
+            arrived = time.perf_counter()
+            msg = wire.decode_message(data)
+            if clock is not None:
+                arrived = clock.message_arrived(arrived, isinstance(msg, wire.SpeculateMsg))
+            # A build that stopped before a step it had no time for neither idled nor kept the target waiting:
+            # its budget fits the verification, so the controller holds it.
+            if (isinstance(msg, wire.SpeculateMsg) and built_at is not None and engine.last_build.num_branches
+                    and not (clock is not None and clock.ended_by_deadline)):
+                planner.observe_timing(engine.last_build.seconds, max(0.0, arrived - built_at))
+            built_at = None
+            if isinstance(msg, wire.ShutdownMsg):
+                return
+            if isinstance(msg, wire.PingMsg):
+                conn.send_bytes(wire.PongMsg().pack())
+            elif isinstance(msg, wire.PrefillMsg):
+                engine.prefill(
+                    [(int(sid), toks.tolist(), _params(msg, row))
+                     for row, (sid, toks) in enumerate(zip(msg.seq_ids, msg.token_lists()))]
+                )
+                requested = dict(zip(msg.seq_ids.tolist(), msg.first_round_drafts.tolist()))
+                for seq_id in requested:  # a re-prefilled sequence drops a first round still pending
+                    first_round.pop(seq_id, None)
+                fresh = {seq_id: n for seq_id, n in requested.items() if n > 0}
+                engine.expect_first_round(fresh)
+                first_round.update(fresh)
+                # Build the first rounds now, while the target computes the prompts, unless other sequences'
+                # request is already waiting: then with their next cache, so the draft does not hold them up.
+                if first_round and (len(engine.states) == len(first_round) or not conn.poll()):
+                    _build(engine, planner, {}, first_round, last_plan, clock)
+            elif isinstance(msg, wire.ReleaseMsg):
+                for seq_id in msg.seq_ids.tolist():
+                    engine.release(seq_id)
+                    last_plan.pop(seq_id, None)
+                    first_round.pop(seq_id, None)
+            elif isinstance(msg, wire.SpeculateMsg):
+                _serve(conn, engine, planner, msg, last_plan, first_round, clock)
+                built_at = time.perf_counter()
+    except (EOFError, OSError):
+        logger.warning("target side closed the connection; draft worker exiting")
+    except Exception as exc:  # tell the client (it continues without speculation) rather than vanish
+        logger.exception("draft worker failed")
+        try:
+            conn.send_bytes(wire.ErrorMsg(f"draft worker failed: {exc!r}", traceback.format_exc()).pack())
+        except OSError:
+            pass
+
+
+def _serve(conn, engine: DraftEngine, planner: FanOutPlanner, msg, last_plan, first_round: dict[int, int],
+           clock: BuildClock | None) -> None:
+    start = time.perf_counter()
+    rows = [
+        SpeculateRow(int(seq_id), new.tolist(), int(k), int(n), int(depth))
+        for seq_id, new, k, n, depth in zip(msg.seq_ids, msg.new_token_lists(), msg.num_accepted, msg.num_drafts,
+                                            msg.lookahead)
+    ]
+    fallback = Fallback.RANDOM if msg.fallback == wire.FallbackKind.RANDOM else Fallback.JIT
+    results = engine.speculate(rows, fallback)
+    reply = speculation_message(msg.round_id, results, engine.K, engine.dist.target_vocab_size,
+                                engine.last_build, time.perf_counter() - start)
+    conn.send_bytes(reply.pack())
+    if clock is not None:
+        clock.replied()
+    # The reply is out: from here on the draft works while the target verifies.
+    served = {}
+    for row, result in zip(rows, results):
+        previous = last_plan.pop(row.seq_id, None)
+        if row.num_accepted >= 0 and previous is not None:
+            built_after_hit, num_drafts, plan = previous
+            f = plan[row.num_accepted] if row.num_accepted < len(plan) else 0
+            planner.observe(built_after_hit, row.num_accepted, num_drafts, result.hit, f)
+        served[row.seq_id] = (result.hit, len(result.tokens))
+    _build(engine, planner, served, first_round, last_plan, clock)
+
+
+def _build(engine: DraftEngine, planner: FanOutPlanner, served: dict[int, tuple[bool, int]],
+           first_round: dict[int, int], last_plan, clock: BuildClock | None) -> None:
+    """Build the next cache: for the sequences just served (``served``: seq_id -> (served by a hit, drafts)),
+    plus the first round of sequences prefilled since the last build (``first_round``, then emptied): their
+    prompt is a speculation with no drafts, planned like a round not served from the cache (so a geometric
+    plan folds its whole budget onto k = 0). With interruptible builds (a ``clock``), a waiting message or the
+    next request's due time ends the build early (``BuildClock``). Records what was built in ``last_plan``."""
+    for seq_id in first_round:
+        served.setdefault(seq_id, (False, 0))  # one that was served already holds that speculation now
+    first_round.clear()
+    plans = {seq_id: planner.plan(hit, num_drafts) for seq_id, (hit, num_drafts) in served.items()}
+    if clock is not None:
+        clock.start_build()
+    built = engine.build_cache(plans, should_stop=None if clock is None else clock.should_stop).fan_outs
+    for seq_id, (hit, num_drafts) in served.items():
+        if seq_id in built:
+            last_plan[seq_id] = (hit, num_drafts, built[seq_id])
+
+
+def speculation_message(
+    round_id: int, results, K: int, vocab: int, build: BuildStats, serve_s: float
+) -> wire.SpeculationMsg:
+    tokens = np.zeros((len(results), K), dtype=np.int64)  # [B, K]
+    copied = np.zeros((len(results), K), dtype=np.bool_)  # [B, K]
+    prob_rows, probs = [], []
+    for i, r in enumerate(results):
+        tokens[i, : len(r.tokens)] = r.tokens
+        copied[i, : len(r.copied)] = r.copied
+        if r.probs is not None:
+            prob_rows.append(i)
+            padded = torch.zeros(K, vocab)  # [K, V]
+            padded[: r.probs.shape[0]] = r.probs
+            probs.append(padded)
+    return wire.SpeculationMsg(
+        round_id=round_id,
+        draft_tokens=tokens,
+        hit=np.array([r.hit for r in results], dtype=np.bool_),
+        fallback=np.array([_FALLBACK_KIND[r.fallback] for r in results], dtype=np.uint8),
+        prob_rows=np.array(prob_rows, dtype=np.int32),
+        probs=torch.stack(probs).numpy() if probs else np.zeros((0, K, vocab), dtype=np.float32),
+        copied=copied,
+        num_drafts=np.array([len(r.tokens) for r in results], dtype=np.int32),
+        cache_build_s=build.seconds,
+        cache_branches=build.num_branches,
+        cache_cut_short=int(build.cut_short),
+        serve_s=serve_s,
+    )
+
+
+_FALLBACK_KIND = {None: wire.FallbackKind.NONE, Fallback.JIT: wire.FallbackKind.JIT,
+                  Fallback.RANDOM: wire.FallbackKind.RANDOM}
+
+
+def _params(msg: wire.PrefillMsg, row: int) -> SamplingParams:
+    greedy = bool(msg.greedy[row])
+    return SamplingParams(
+        temperature=0.0 if greedy else float(msg.temperature[row]),
+        top_k=int(msg.top_k[row]),
+        top_p=float(msg.top_p[row]),
+        seed=msg.seed_of(row),
+    )
