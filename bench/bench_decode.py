@@ -18,25 +18,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import (  # noqa: E402
-    RESULTS_DIR,
-    EngineRunner,
-    HFRunner,
-    WorkerSpec,
-    available_cpus,
-    chat_prompt_ids,
-    close_workers,
-    common_prefix_len,
-    machine_info,
-    median,
-    parse_int_list,
-    print_table,
-    ratio,
-    resolve_model,
-    rotated,
-    start_workers,
-    write_json,
-)
+from cli_args import parse_int_list  # noqa: E402
+from engine_runner import EngineRunner  # noqa: E402
+from hf_runner import HFRunner  # noqa: E402
+from inputs import RESULTS_DIR, chat_prompt_ids, resolve_model  # noqa: E402
+from machine import available_cpus, machine_info  # noqa: E402
+from report import common_prefix_len, median, print_table, ratio, write_json  # noqa: E402
+from workers import WorkerSpec, close_workers, rotated, start_workers  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

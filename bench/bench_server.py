@@ -33,7 +33,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import CHAT_PROMPTS, RESULTS_DIR, machine_info, print_table, resolve_model, write_json  # noqa: E402
+from inputs import CHAT_PROMPTS, RESULTS_DIR, resolve_model  # noqa: E402
+from machine import machine_info  # noqa: E402
+from report import print_table, write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -29,31 +29,18 @@ from ssd.config import EngineConfig  # noqa: E402
 from ssd.dtypes import resolve_dtype  # noqa: E402
 from ssd.options import Dtype, option_help  # noqa: E402
 
-from common import (  # noqa: E402
-    ACCEPT_HIST_PREFIX,
-    EngineRunner,
-    HFRunner,
-    RESULTS_DIR,
-    WorkerSpec,
+from cli_args import (  # noqa: E402
     add_filler_padding_arg,
     add_weight_format_args,
-    available_cpus,
-    chat_prompt_ids,
-    close_workers,
-    common_prefix_len,
-    hit_rate_per_k,
-    machine_info,
-    median,
     parse_int_list,
-    print_table,
-    ratio,
-    resolve_model,
     resolve_weight_formats,
-    rotated,
-    start_workers,
-    summed_per_k,
-    write_json,
 )
+from engine_runner import ACCEPT_HIST_PREFIX, EngineRunner, hit_rate_per_k, summed_per_k  # noqa: E402
+from hf_runner import HFRunner  # noqa: E402
+from inputs import RESULTS_DIR, chat_prompt_ids, resolve_model  # noqa: E402
+from machine import available_cpus, machine_info  # noqa: E402
+from report import common_prefix_len, median, print_table, ratio, write_json  # noqa: E402
+from workers import WorkerSpec, close_workers, rotated, start_workers  # noqa: E402
 
 MODES = ("ar", "sd", "ssd-jit", "ssd-random")  # ssd-auto is available too (bench/suite.py runs it)
 LAYOUTS = ("extra-device", "same-hardware")

@@ -51,7 +51,9 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(BENCH_DIR.parent / "tests"))  # checkpoint builders shared with the test suite
 
-from common import RESULTS_DIR, machine_info, print_table, write_json  # noqa: E402
+from inputs import RESULTS_DIR  # noqa: E402
+from machine import machine_info  # noqa: E402
+from report import print_table, write_json  # noqa: E402
 from gpu_steps import (  # noqa: E402
     BLOCK,
     LLAMA3_8B,

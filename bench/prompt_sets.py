@@ -69,7 +69,7 @@ def read_humaneval(path: str | Path, num: int) -> list[str]:
 
 def project_prompts() -> tuple[list[str], list[str]]:
     """The project's held-out (code stubs, chat instructions), kept in ``train/eval_prompts.py``."""
-    from common import load_eval_prompts
+    from inputs import load_eval_prompts
 
     module = load_eval_prompts()
     return list(module.CODE_EVAL), list(module.CHAT_EVAL)

@@ -30,24 +30,17 @@ from ssd.options import Dtype, option_help  # noqa: E402
 
 from bench_spec import LAYOUTS, batch_prompts, build_specs, pair_description, placements, run_metrics, summarise  # noqa: E402
 from bench_spec import speculative_config  # noqa: E402
-from common import (  # noqa: E402
-    EngineRunner,
-    RESULTS_DIR,
-    WorkerSpec,
+from cli_args import (  # noqa: E402
     add_filler_padding_arg,
     add_weight_format_args,
-    available_cpus,
-    close_workers,
-    machine_info,
-    median,
     parse_int_list,
-    print_table,
-    resolve_model,
     resolve_weight_formats,
-    rotated,
-    start_workers,
-    write_json,
 )
+from engine_runner import EngineRunner  # noqa: E402
+from inputs import RESULTS_DIR, resolve_model  # noqa: E402
+from machine import available_cpus, machine_info  # noqa: E402
+from report import median, print_table, write_json  # noqa: E402
+from workers import WorkerSpec, close_workers, rotated, start_workers  # noqa: E402
 from prompt_sets import DATASETS, PromptSet, load_prompt_set  # noqa: E402
 from vllm_peer import add_vllm_args, report_vllm, suite_vllm  # noqa: E402
 from suite_summary import (  # noqa: E402

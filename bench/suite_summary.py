@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from common import common_prefix_len, median
+from report import common_prefix_len, median
 
 EXTRA = "extra-device"
 SAME = "same-hardware"

@@ -26,8 +26,9 @@ from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
 
-from common import (WorkerError, available_cpus, common_prefix_len, median, print_table, proc_peak_rss_mib, ratio,
-                    receive_reply)
+from machine import available_cpus, proc_peak_rss_mib
+from report import common_prefix_len, median, print_table, ratio
+from workers import WorkerError, receive_reply
 from suite_summary import EXTRA, geomean
 from vllm_worker import AUTHKEY_ENV
 

@@ -6,7 +6,7 @@ to the suite over a local authenticated socket (address on the command line, key
 one ``vllm.LLM`` (plain decoding, ``draft_model`` speculative decoding with the project's draft, or ``ngram``,
 vLLM's prompt lookup) and then
 answers the suite's calls until told to close (``None``): ``generate`` (batch 1, greedy) and ``describe``, in
-the shape of the suite's other workers (``bench/common.py``); the suite measures its memory from outside.
+the shape of the suite's other workers (``bench/workers.py``); the suite measures its memory from outside.
 
 vLLM's ``draft_model`` method needs a draft with the target's vocabulary, and the project's default draft has a
 reduced one (``draft_vocab.json``). The worker then writes a full-vocabulary copy to a temporary folder: the

@@ -1,5 +1,5 @@
 """The benchmark suite's pure logic (bench/suite_summary.py, bench/prompt_sets.py, bench/suite_plots.py), its
-transformers bridge for reduced-vocabulary drafts (bench/common.py), and one tiny end-to-end run.
+transformers bridge for reduced-vocabulary drafts (bench/hf_runner.py), and one tiny end-to-end run.
 
 No timing is asserted anywhere: only structure, ratios computed from given numbers, and token equality.
 """
@@ -105,7 +105,7 @@ def fake_repeats(scale: float) -> list[dict]:
 
 
 def test_per_k_counters_and_hit_rates_over_runs() -> None:
-    from common import acceptance_histogram, hit_rate_per_k
+    from engine_runner import acceptance_histogram, hit_rate_per_k
 
     runs = [{"lookups_k0": 6.0, "lookups_k2": 2.0, "hits_k0": 3.0, "hits_k2": 2.0, "accepted_1": 4.0, "num_drafts": 8.0},
             {"lookups_k0": 2.0, "lookups_k1": 4.0, "hits_k1": 1.0}]
@@ -285,7 +285,7 @@ def test_hf_assistant_with_reduced_vocabulary_predicts_in_target_ids(checkpoint_
     equal to its own logits on the kept ids and the dtype's minimum elsewhere."""
     import shutil
 
-    from common import load_hf_assistant
+    from hf_runner import load_hf_assistant
     from transformers import AutoModelForCausalLM
 
     from ssd.models.draft_vocab import DraftVocab
@@ -320,7 +320,7 @@ def test_suite_glue_on_real_runs_of_tiny_checkpoints(checkpoint_factory, tmp_pat
     bench_spec's per-mode summary, run keys, exactness, headline and plots."""
     import suite
     from bench_spec import Placement, summarise
-    from common import EngineRunner
+    from engine_runner import EngineRunner
 
     target = str(checkpoint_factory("llama"))
     draft = str(checkpoint_factory("llama", seed=1, num_layers=1))

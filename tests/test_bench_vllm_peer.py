@@ -18,7 +18,7 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 import vllm_peer  # noqa: E402
-from common import WorkerError  # noqa: E402
+from workers import WorkerError  # noqa: E402
 from vllm_worker import full_vocabulary_draft  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 
 The draft learns to imitate the target on the kind of requests the engine serves: chat questions, writing
 tasks, coding requests, and raw Python function stubs (HumanEval-style completion). None of these are the
-evaluation prompts (bench/common.py CHAT_PROMPTS, HumanEval, or train/eval_prompts.py): the measured
+evaluation prompts (bench/inputs.py CHAT_PROMPTS, HumanEval, or train/eval_prompts.py): the measured
 acceptance must come from text the draft never saw.
 """
 
