@@ -192,7 +192,7 @@ class LLMEngine:
         """Run one engine step; returns outputs of the requests that produced tokens or finished."""
         self._step_lookahead = None
         try:
-            plan = self.scheduler.schedule(self._lookahead)
+            plan = self.scheduler.schedule(self._lookahead_plan())
         except SequenceTooLongError as exc:  # can never fit: fail that request, keep serving the others
             return [self._fail_request(self.requests[exc.seq.seq_id], str(exc))]
         for seq in plan.preempted:
@@ -225,6 +225,13 @@ class LLMEngine:
             return
         drafts = sum(r.num_drafts for r in result.rounds.values())
         self.lookahead_policy.observe_step(len(scheduled), drafts / len(scheduled), seconds)
+
+    def _lookahead_plan(self) -> dict[int, int]:
+        """K of every sequence the scheduler may run this step (running, then waiting), decided before it
+        schedules; the scheduler caps it by the token budget and the model length."""
+        if self.spec is None:
+            return {}
+        return {seq.seq_id: self._lookahead(seq) for seq in (*self.scheduler.running, *self.scheduler.waiting)}
 
     def _lookahead(self, seq: Sequence) -> int:
         """Draft tokens a decoding sequence gets this round (0 = plain decoding)."""

@@ -238,18 +238,18 @@ def test_lookahead_only_for_chunks_that_finish_the_sequence():
     assert a.block_table == [0, 1]  # positions 0..7
 
 
-def test_lookahead_callable_and_caps():
-    calls: list[int] = []
-
-    def k_for(seq: Sequence) -> int:
-        calls.append(seq.seq_id)
-        return {1: 2, 2: 3}[seq.seq_id]
-
+def test_lookahead_plan_and_caps():
     _, _, sched = make(32, budget=10)
     sched.add(seq_of(1, 3))
     sched.add(seq_of(2, 20))
-    assert plan(sched.schedule(k_for)) == [(1, 3, 2), (2, 5, 0)]
-    assert calls == [1]  # not asked for a partial prefill
+    sched.add(seq_of(3, 2))
+    # 2's chunk is a partial prefill: no lookahead whatever the plan says; 3 is not admitted (budget)
+    assert plan(sched.schedule({1: 2, 2: 3, 3: 1})) == [(1, 3, 2), (2, 5, 0)]
+
+    _, _, sched = make(32)
+    sched.add(seq_of(1, 2))
+    sched.add(seq_of(2, 2))
+    assert plan(sched.schedule({2: 3})) == [(1, 2, 0), (2, 2, 3)]  # a sequence the plan omits gets none
 
     _, _, sched = make(32, budget=4)
     sched.add(seq_of(1, 2))
@@ -263,8 +263,8 @@ def test_lookahead_callable_and_caps():
     sched.add(seq_of(1, 2))
     with pytest.raises(ValueError, match="lookahead"):
         sched.schedule(-1)
-    with pytest.raises(ValueError, match="lookahead"):
-        sched.schedule(lambda s: 1.5)
+    with pytest.raises(ValueError, match="lookahead must be a non-negative integer for sequence 1, got 1.5"):
+        sched.schedule({1: 1.5})
 
 
 def test_prefix_cache_hit_across_requests():
@@ -346,7 +346,7 @@ def test_simulated_engine_keeps_kv_consistent():
             if not pending:
                 break
             continue
-        out = sched.schedule(lambda s: (s.seq_id + s.num_tokens) % 4)
+        out = sched.schedule({s.seq_id: (s.seq_id + s.num_tokens) % 4 for s in (*sched.running, *sched.waiting)})
         total_preempted += len(out.preempted)
         assert out.num_batched_tokens <= 16 and sched.num_running <= 4
         assert out.num_batched_tokens == sum(x.num_new_tokens + x.num_lookahead_tokens for x in out.scheduled)

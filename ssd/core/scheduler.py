@@ -14,7 +14,9 @@ Prefill, chunked prefill, recompute after preemption and decode are one operatio
 
 Speculative decoding asks for *lookahead* slots: a sequence whose chunk computes all its uncomputed tokens
 (the decode phase) also gets KV slots for up to K draft tokens after its last token. Lookahead tokens are run
-through the target in the verify pass, so they count against the token budget.
+through the target in the verify pass, so they count against the token budget. K comes as one number for every
+sequence, or as a plan ``{seq_id: K}`` the engine computes before scheduling (sequences it omits get none);
+the scheduler only caps it (token budget, ``max_model_len``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from ssd.core.kv_cache_manager import KVCacheManager
@@ -30,7 +32,8 @@ from ssd.core.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
-Lookahead = int | Callable[[Sequence], int]
+Lookahead = int | Mapping[int, int]
+"""K for every sequence, or per sequence id (a missing id: 0)."""
 
 
 @dataclass
@@ -151,8 +154,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self, lookahead: Lookahead = 0) -> SchedulerOutput:
-        """Plan one step. ``lookahead`` is K, or a function giving each decoding sequence its K."""
-        if not callable(lookahead):
+        """Plan one step. ``lookahead`` is K, or each sequence's K by id (see :data:`Lookahead`)."""
+        if isinstance(lookahead, Mapping):
+            for seq_id, k in lookahead.items():
+                self._check_lookahead(k, seq_id)
+        else:
             self._check_lookahead(lookahead, None)
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -215,14 +221,13 @@ class Scheduler:
         """K for this sequence, capped by the token budget and by max_model_len (draft positions count)."""
         if not computes_all:
             return 0
-        k = lookahead(seq) if callable(lookahead) else lookahead
-        self._check_lookahead(k, seq)
+        k = lookahead.get(seq.seq_id, 0) if isinstance(lookahead, Mapping) else lookahead
         return max(0, min(k, budget_left, self.config.max_model_len - seq.num_tokens))
 
     @staticmethod
-    def _check_lookahead(k: object, seq: Sequence | None) -> None:
+    def _check_lookahead(k: object, seq_id: int | None) -> None:
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-            where = "" if seq is None else f" for sequence {seq.seq_id}"
+            where = "" if seq_id is None else f" for sequence {seq_id}"
             raise ValueError(f"lookahead must be a non-negative integer{where}, got {k!r}")
 
     def _allocate(self, seq: Sequence, num_new: int, num_la: int) -> None:
