@@ -46,6 +46,7 @@ from ssd.runtime.model_runner import ModelRunner
 from ssd.sample.saguaro import saguaro_scale
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.async_draft.draft_state import (
+    Branch,
     BuildStats,
     CachedSpeculation,
     DraftSeqState,
@@ -241,20 +242,17 @@ class DraftEngine:
             self.last_build = BuildStats()
             return self.last_build
         glue_logits = self._glue(states, [_max_branches(p, len(s.speculation) - 1) for s, p in zip(states, plans)])
-        branches: list[list[tuple[int, int]]] = []
-        weights: list[list[float] | None] = []  # per dynamic sequence, each branch's outcome probability
+        trees: list[list[Branch]] = []  # per sequence, its branches
         for state, plan, logits in zip(states, plans, glue_logits):
             if isinstance(plan, DynamicFanOut):
                 outcomes = fork_dynamic(state, logits, self.dist, self.calibration, plan.budget)
-                branches.append([(o.k, o.token) for o in outcomes])
-                weights.append([o.weight for o in outcomes])
-                state.fan_out = per_k_counts(branches[-1], self.K)
+                trees.append([Branch(o.k, o.token, o.weight) for o in outcomes])
+                state.fan_out = per_k_counts([(o.k, o.token) for o in outcomes], self.K)
             else:
                 state.fan_out = list(plan)
-                branches.append(fork_fixed(state, logits, self.dist))
-                weights.append(None)
-        num_branches = sum(len(b) for b in branches)
-        depth, interrupted = self._tree_decode(states, branches, weights, should_stop)
+                trees.append([Branch(k, token) for k, token in fork_fixed(state, logits, self.dist)])
+        num_branches = sum(len(tree) for tree in trees)
+        depth, interrupted = self._tree_decode(states, trees, should_stop)
         self.last_build = BuildStats(time.perf_counter() - start, num_branches, depth, interrupted,
                                      {s.mirror.seq_id: list(s.fan_out) for s in states})
         return self.last_build
@@ -281,66 +279,57 @@ class DraftEngine:
             state.num_valid_drafts = n - 1
         return out
 
-    def _tree_decode(self, states: list[DraftSeqState], branches: list[list[tuple[int, int]]],
-                     weights: list[list[float] | None], should_stop: Callable[[], bool] | None = None
-                     ) -> tuple[int, bool]:
-        """Decode every branch up to its sequence's lookahead, fewer tokens when ``should_stop`` ends the
-        build early or, for a dynamic sequence (``weights[i]`` = its branches' outcome probabilities), once
-        ``keeps_drafting`` says a branch's next token is not worth a row. Returns the number of tree steps run
-        and whether ``should_stop`` ended the build."""
-        K = [s.lookahead for s in states]  # tokens per branch
-        L = [len(s.speculation) - 1 for s in states]  # drafts in the glue
-        depth = max(K)
+    def _tree_decode(self, states: list[DraftSeqState], trees: list[list[Branch]],
+                     should_stop: Callable[[], bool] | None = None) -> tuple[int, bool]:
+        """Decode every branch of every sequence's tree up to its lookahead, fewer tokens when ``should_stop``
+        ends the build early or, in a dynamic fan-out (branches with a ``weight``), once ``keeps_drafting``
+        says a branch's next token is not worth a row; then cache each branch's drafts under its outcome.
+        Returns the number of tree steps run and whether ``should_stop`` ended the build."""
+        depth = max(s.lookahead for s in states)  # tokens per branch
         steps = 0
         interrupted = False
-        active = [list(range(len(b))) for b in branches]  # branches that draft at this depth
-        current = [[c for _, c in b] for b in branches]  # their tokens to run at this depth
-        path = [[1.0] * len(b) for b in branches]  # P(a branch's drafts so far are all accepted), dynamic only
-        sampled: list[list[list[int]]] = [[[] for _ in b] for b in branches]
-        copied: list[list[list[bool]]] = [[[] for _ in b] for b in branches]
-        probs_kept: list[list[list[torch.Tensor]]] = [[[] for _ in b] for b in branches]
         for j in range(depth):
             items, owners = [], []
-            for i, state in enumerate(states):
-                if j >= K[i] or not active[i]:
-                    continue
-                items.append(tree_item(state, branches[i], active[i], current[i], j, L[i], self.runner.block_size))
-                owners.append(i)
+            for i, (state, tree) in enumerate(zip(states, trees)):
+                if j < state.lookahead and any(branch.drafting for branch in tree):
+                    items.append(tree_item(state, tree, j, len(state.speculation) - 1, self.runner.block_size))
+                    owners.append(i)
             if not items:
                 break
-            logits = self.runner.forward(items)  # [sum of active branches, Vd]
-            rows = [(i, b) for i in owners for b in active[i]]
-            params = [states[i].mirror.sampling_params for i, _ in rows]
-            generators = [states[i].generator for i, _ in rows]
-            scaled = [_at(states[i].fan_out, j) for i, _ in rows]
-            forced = [states[i].copy(drafts_before(states[i], *branches[i][b]) + sampled[i][b]) for i, b in rows]
+            logits = self.runner.forward(items)  # [sum of drafting branches, Vd]
+            rows = [(states[i], branch) for i in owners for branch in trees[i] if branch.drafting]
+            params = [state.mirror.sampling_params for state, _ in rows]
+            generators = [state.generator for state, _ in rows]
+            scaled = [_at(state.fan_out, j) for state, _ in rows]
+            forced = [state.copy(drafts_before(state, branch.k, branch.token) + branch.tokens)
+                      for state, branch in rows]
             tokens_t, probs = self.dist.draw(  # probs: [rows, V], None when all rows are greedy
                 logits, params, generators, None, lambda lg, pr: self._saguaro(pr, lg, params, scaled), forced
             )
             tokens = tokens_t.tolist()
             confidence = None
-            if any(weights[i] is not None for i in owners):
+            if any(branch.weight is not None for _, branch in rows):
                 confidence = self.dist.token_probs(logits, tokens_t[:, None])[:, 0].tolist()  # [rows]
-            for r, (i, b) in enumerate(rows):
-                sampled[i][b].append(tokens[r])
-                copied[i][b].append(forced[r] is not None)
-                if not states[i].greedy:
-                    probs_kept[i][b].append(probs[r])
-                if weights[i] is not None:
-                    path[i][b] *= self.calibration.rate(min(1.0, confidence[r]), forced[r] is not None)
+            for r, (state, branch) in enumerate(rows):
+                branch.tokens.append(tokens[r])
+                branch.copied.append(forced[r] is not None)
+                if not state.greedy:
+                    branch.probs.append(probs[r])
+                if branch.weight is not None:
+                    branch.path *= self.calibration.rate(min(1.0, confidence[r]), forced[r] is not None)
             for i in owners:
-                w = weights[i]
-                if w is not None:
-                    active[i] = [b for b in active[i] if keeps_drafting(w[b], path[i][b], min(w))]
-                current[i] = [sampled[i][b][-1] for b in active[i]]
+                weights = [b.weight for b in trees[i] if b.weight is not None]
+                for branch in trees[i]:
+                    if branch.drafting and branch.weight is not None:
+                        branch.drafting = keeps_drafting(branch.weight, branch.path, min(weights))
             steps = j + 1
             if should_stop is not None and steps < depth and should_stop():
                 interrupted = True
                 break
-        for i, state in enumerate(states):
-            for b, (k, c) in enumerate(branches[i]):
-                kept = torch.stack(probs_kept[i][b]) if probs_kept[i][b] else None
-                state.cache[(k, c)] = CachedSpeculation(sampled[i][b], kept, copied[i][b])
+        for state, tree in zip(states, trees):
+            for branch in tree:
+                kept = torch.stack(branch.probs) if branch.probs else None
+                state.cache[(branch.k, branch.token)] = CachedSpeculation(branch.tokens, kept, branch.copied)
         return steps, interrupted
 
     def _saguaro(self, probs, logits, params: list[SamplingParams], num_scaled: list[int]) -> torch.Tensor:

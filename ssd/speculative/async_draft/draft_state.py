@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ssd.core.sequence import Sequence
+from ssd.options import Fallback
 from ssd.speculative.lookup import PromptLookup, copied_token
 
 
@@ -71,6 +72,26 @@ class BuildStats:
     depth: int = 0  # tree steps run: tokens per branch (the longest lookahead unless cut short)
     cut_short: bool = False  # stopped before its full depth: the next request was waiting or due
     fan_outs: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> F_0..F_K built (dynamic: as forked)
+
+
+@dataclass
+class Branch:
+    """One branch of a sequence's tree in a cache build: the verification outcome it prepares for (``k`` drafts
+    accepted, then ``token``) and what it has drafted after it so far."""
+
+    k: int
+    token: int
+    weight: float | None = None  # the outcome's probability (a dynamic fan-out); None in a fixed one
+    path: float = 1.0  # P(its drafts so far are all accepted): dynamic fan-outs only
+    drafting: bool = True  # still drafts at the next depth
+    tokens: list[int] = field(default_factory=list)  # its drafts, in order
+    copied: list[bool] = field(default_factory=list)  # which of them prompt lookup copied
+    probs: list[torch.Tensor] = field(default_factory=list)  # the q [V] of each (sampled requests only)
+
+    @property
+    def next_input(self) -> int:
+        """The token it runs at its next depth: its last draft, or at first its outcome's token."""
+        return self.tokens[-1] if self.tokens else self.token
 
 
 def drafts_before(state: DraftSeqState, k: int, token: int) -> list[int]:

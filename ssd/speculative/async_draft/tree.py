@@ -8,7 +8,7 @@ import torch
 
 from ssd.models.attention_layout import block_slots
 from ssd.runtime.forward_items import ForwardItem
-from ssd.speculative.async_draft.draft_state import DraftSeqState
+from ssd.speculative.async_draft.draft_state import Branch, DraftSeqState
 from ssd.speculative.async_draft.planning.calibration import AcceptanceCalibration
 from ssd.speculative.async_draft.planning.dynamic_fanout import Outcome, dynamic_branches
 from ssd.speculative.drafting import DraftDistribution
@@ -62,18 +62,18 @@ def fork_dynamic(state: DraftSeqState, logits: torch.Tensor, dist: DraftDistribu
     return dynamic_branches(candidates, accept, budget)
 
 
-def tree_item(state: DraftSeqState, branch: list[tuple[int, int]], active: list[int], tokens: list[int], j: int,
-              num_glued: int, block_size: int) -> ForwardItem:
-    """Depth j of one sequence's tree: a row per active branch, each reading the committed tokens, the
+def tree_item(state: DraftSeqState, branches: list[Branch], j: int, num_glued: int, block_size: int) -> ForwardItem:
+    """Depth j of one sequence's tree: a row per branch still drafting, each reading the committed tokens, the
     drafts it continues and its own earlier tree tokens. Scratch is depth-major with a slot per branch,
     drafting or not (depth d, branch b at slot ``d * m + b`` of the scratch region)."""
     mirror = state.mirror
     table, size = mirror.block_table, block_size
     n = mirror.num_tokens  # committed tokens; t_n sits at position n - 1
-    m = len(branch)
+    m = len(branches)
     glue_end = n + num_glued  # natural slots 0 .. n+L-1 hold t_1..t_n, e_1..e_L (L = num_glued drafts)
+    active = [b for b, branch in enumerate(branches) if branch.drafting]
     rows = np.array(active)
-    ks = np.array([branch[b][0] for b in active])
+    ks = np.array([branches[b].k for b in active])
     positions = n + ks + j
     scratch = block_slots(table, size, glue_end, glue_end + (j + 1) * m)
     own = (np.arange(j + 1)[:, None] * m + rows[None, :]).reshape(-1)  # the active branches' scratch so far
@@ -81,4 +81,5 @@ def tree_item(state: DraftSeqState, branch: list[tuple[int, int]], active: list[
     mask = np.zeros((len(rows), glue_end + len(own)), dtype=bool)
     mask[:, :glue_end] = np.arange(glue_end)[None, :] <= (n - 1 + ks)[:, None]
     mask[:, glue_end:] = (own[None, :] % m) == rows[:, None]
-    return ForwardItem(list(tokens), 0, table, len(rows), positions, scratch[j * m + rows], read, mask)
+    tokens = [branches[b].next_input for b in active]
+    return ForwardItem(tokens, 0, table, len(rows), positions, scratch[j * m + rows], read, mask)

@@ -1,9 +1,9 @@
 """The SSD draft worker: a process of its own that serves speculations and builds the next cache.
 
-A plain function loop (``run_draft_worker``): receive a message, act, and for SPECULATE reply at once and
-then build the cache for the round being verified, which is the work that SSD takes off the critical path;
-after a PREFILL whose rows ask for it, build the cache for those sequences' first round while the target
-computes their prompts. A build ends early when the next request is waiting or due (``BuildClock``).
+A :class:`DraftWorker` with one handler per message (``run_draft_worker`` starts it): for SPECULATE it
+replies at once and then builds the cache for the round being verified, which is the work that SSD takes off
+the critical path; after a PREFILL whose rows ask for it, it builds the cache for those sequences' first round
+while the target computes their prompts. A build ends early when the next request is waiting or due (``BuildClock``).
 It pins itself to its own CPU cores (or uses its own device) so target and draft do not compete.
 """
 
@@ -118,57 +118,15 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
     logging.basicConfig(level=config.log_level, format="%(asctime)s draft-worker %(levelname)s: %(message)s")
     try:
         _pin(config)
-        engine = build_draft_engine(config)
-        planner = FanOutPlanner(config.spec)
+        worker = DraftWorker(conn, build_draft_engine(config), FanOutPlanner(config.spec),
+                             BuildClock(conn.poll) if config.spec.interruptible_build else None)
     except Exception as exc:  # report start-up failures to the client instead of dying silently
         logger.exception("draft worker failed to start")
         conn.send_bytes(wire.ErrorMsg(f"draft worker failed to start: {exc}").pack())
         return
     conn.send_bytes(wire.ReadyMsg().pack())
-    last_plan: dict[int, tuple[bool, int, list[int]]] = {}  # seq_id -> (served by a hit, K_i, F_0..F_K built)
-    first_round: dict[int, int] = {}  # seq_id -> drafts per branch of a first-round cache not built yet
-    built_at: float | None = None  # when the last cache build ended, if no other message came since
-    clock = BuildClock(conn.poll) if config.spec.interruptible_build else None
     try:
-        while True:
-            data = conn.recv_bytes()
-            arrived = time.perf_counter()
-            msg = wire.decode_message(data)
-            if clock is not None:
-                arrived = clock.message_arrived(arrived, isinstance(msg, wire.SpeculateMsg))
-            # A build that stopped before a step it had no time for neither idled nor kept the target waiting:
-            # its budget fits the verification, so the controller holds it.
-            if (isinstance(msg, wire.SpeculateMsg) and built_at is not None and engine.last_build.num_branches
-                    and not (clock is not None and clock.ended_by_deadline)):
-                planner.observe_timing(engine.last_build.seconds, max(0.0, arrived - built_at))
-            built_at = None
-            if isinstance(msg, wire.ShutdownMsg):
-                return
-            if isinstance(msg, wire.PingMsg):
-                conn.send_bytes(wire.PongMsg().pack())
-            elif isinstance(msg, wire.PrefillMsg):
-                engine.prefill(
-                    [(int(sid), toks.tolist(), _params(msg, row))
-                     for row, (sid, toks) in enumerate(zip(msg.seq_ids, msg.token_lists()))]
-                )
-                requested = dict(zip(msg.seq_ids.tolist(), msg.first_round_drafts.tolist()))
-                for seq_id in requested:  # a re-prefilled sequence drops a first round still pending
-                    first_round.pop(seq_id, None)
-                fresh = {seq_id: n for seq_id, n in requested.items() if n > 0}
-                engine.expect_first_round(fresh)
-                first_round.update(fresh)
-                # Build the first rounds now, while the target computes the prompts, unless other sequences'
-                # request is already waiting: then with their next cache, so the draft does not hold them up.
-                if first_round and (len(engine.states) == len(first_round) or not conn.poll()):
-                    _build(engine, planner, {}, first_round, last_plan, clock)
-            elif isinstance(msg, wire.ReleaseMsg):
-                for seq_id in msg.seq_ids.tolist():
-                    engine.release(seq_id)
-                    last_plan.pop(seq_id, None)
-                    first_round.pop(seq_id, None)
-            elif isinstance(msg, wire.SpeculateMsg):
-                _serve(conn, engine, planner, msg, last_plan, first_round, clock)
-                built_at = time.perf_counter()
+        worker.run()
     except (EOFError, OSError):
         logger.warning("target side closed the connection; draft worker exiting")
     except Exception as exc:  # tell the client (it continues without speculation) rather than vanish
@@ -179,50 +137,122 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
             pass
 
 
-def _serve(conn, engine: DraftEngine, planner: FanOutPlanner, msg, last_plan, first_round: dict[int, int],
-           clock: BuildClock | None) -> None:
-    start = time.perf_counter()
-    rows = [
-        SpeculateRow(int(seq_id), new.tolist(), int(k), int(n), int(depth))
-        for seq_id, new, k, n, depth in zip(msg.seq_ids, msg.new_token_lists(), msg.num_accepted, msg.num_drafts,
-                                            msg.lookahead)
-    ]
-    fallback = Fallback.RANDOM if msg.fallback == wire.FallbackKind.RANDOM else Fallback.JIT
-    results = engine.speculate(rows, fallback)
-    reply = speculation_message(msg.round_id, results, engine.K, engine.dist.target_vocab_size,
-                                engine.last_build, time.perf_counter() - start)
-    conn.send_bytes(reply.pack())
-    if clock is not None:
-        clock.replied()
-    # The reply is out: from here on the draft works while the target verifies.
-    served = {}
-    for row, result in zip(rows, results):
-        previous = last_plan.pop(row.seq_id, None)
-        if row.num_accepted >= 0 and previous is not None:
-            built_after_hit, num_drafts, plan = previous
-            f = plan[row.num_accepted] if row.num_accepted < len(plan) else 0
-            planner.observe(built_after_hit, row.num_accepted, num_drafts, result.hit, f)
-        served[row.seq_id] = (result.hit, len(result.tokens))
-    _build(engine, planner, served, first_round, last_plan, clock)
+@dataclass(frozen=True)
+class BuiltCache:
+    """What the last build prepared for a sequence, kept until its next request says how the round went."""
+
+    after_hit: bool  # the speculation it followed was served from the cache
+    num_drafts: int  # drafts of that speculation (K_i)
+    fan_out: list[int]  # F_0..F_K built
 
 
-def _build(engine: DraftEngine, planner: FanOutPlanner, served: dict[int, tuple[bool, int]],
-           first_round: dict[int, int], last_plan, clock: BuildClock | None) -> None:
-    """Build the next cache: for the sequences just served (``served``: seq_id -> (served by a hit, drafts)),
-    plus the first round of sequences prefilled since the last build (``first_round``, then emptied): their
-    prompt is a speculation with no drafts, planned like a round not served from the cache (so a geometric
-    plan folds its whole budget onto k = 0). With interruptible builds (a ``clock``), a waiting message or the
-    next request's due time ends the build early (``BuildClock``). Records what was built in ``last_plan``."""
-    for seq_id in first_round:
-        served.setdefault(seq_id, (False, 0))  # one that was served already holds that speculation now
-    first_round.clear()
-    plans = {seq_id: planner.plan(hit, num_drafts) for seq_id, (hit, num_drafts) in served.items()}
-    if clock is not None:
-        clock.start_build()
-    built = engine.build_cache(plans, should_stop=None if clock is None else clock.should_stop).fan_outs
-    for seq_id, (hit, num_drafts) in served.items():
-        if seq_id in built:
-            last_plan[seq_id] = (hit, num_drafts, built[seq_id])
+class DraftWorker:
+    """The draft process's state and one handler per message the target sends (PREFILL, SPECULATE, RELEASE,
+    SHUTDOWN); :meth:`run` receives, dispatches, and after a SPECULATE replies at once and then builds."""
+
+    def __init__(self, conn: Connection, engine: DraftEngine, planner: FanOutPlanner, clock: BuildClock | None) -> None:
+        self.conn = conn
+        self.engine = engine
+        self.planner = planner
+        self.clock = clock  # None: builds run to the end
+        self.built: dict[int, BuiltCache] = {}  # seq_id -> the cache built for its next round
+        self.first_round: dict[int, int] = {}  # seq_id -> drafts per branch of a first-round cache not built yet
+        self.built_at: float | None = None  # when the last cache build ended, if no other message came since
+        self._handlers = {wire.PrefillMsg: self.on_prefill, wire.SpeculateMsg: self.on_speculate,
+                          wire.ReleaseMsg: self.on_release}
+
+    def run(self) -> None:
+        """Serve messages until SHUTDOWN (or the connection closes: EOFError / OSError reach the caller)."""
+        while True:
+            data = self.conn.recv_bytes()
+            arrived = time.perf_counter()
+            msg = wire.decode_message(data)
+            if isinstance(msg, wire.ShutdownMsg):
+                return
+            self._observe_idle(arrived, isinstance(msg, wire.SpeculateMsg))
+            handler = self._handlers.get(type(msg))
+            if handler is None:
+                raise ValueError(f"the draft worker does not handle {type(msg).__name__}")
+            handler(msg)
+
+    def _observe_idle(self, arrived: float, is_request: bool) -> None:
+        """A message arrived at ``arrived``: the clock learns the gap to a request, and the fan-out budget how
+        long the last build left the draft idle before it. A build that stopped before a step it had no time
+        for neither idled nor kept the target waiting: its budget fits the verification, so the controller
+        holds it."""
+        if self.clock is not None:
+            arrived = self.clock.message_arrived(arrived, is_request)
+        if (is_request and self.built_at is not None and self.engine.last_build.num_branches
+                and not (self.clock is not None and self.clock.ended_by_deadline)):
+            self.planner.observe_timing(self.engine.last_build.seconds, max(0.0, arrived - self.built_at))
+        self.built_at = None
+
+    def on_prefill(self, msg: wire.PrefillMsg) -> None:
+        """Prefill new sequences; build their first-round caches now, while the target computes the prompts,
+        unless other sequences' request is already waiting (then with their next cache, so the draft does not
+        hold them up)."""
+        self.engine.prefill([(int(sid), toks.tolist(), _params(msg, row))
+                             for row, (sid, toks) in enumerate(zip(msg.seq_ids, msg.token_lists()))])
+        requested = dict(zip(msg.seq_ids.tolist(), msg.first_round_drafts.tolist()))
+        for seq_id in requested:  # a re-prefilled sequence drops a first round still pending
+            self.first_round.pop(seq_id, None)
+        fresh = {seq_id: n for seq_id, n in requested.items() if n > 0}
+        self.engine.expect_first_round(fresh)
+        self.first_round.update(fresh)
+        if self.first_round and (len(self.engine.states) == len(self.first_round) or not self.conn.poll()):
+            self._build({})
+
+    def on_release(self, msg: wire.ReleaseMsg) -> None:
+        for seq_id in msg.seq_ids.tolist():
+            self.engine.release(seq_id)
+            self.built.pop(seq_id, None)
+            self.first_round.pop(seq_id, None)
+
+    def on_speculate(self, msg: wire.SpeculateMsg) -> None:
+        """Serve the speculations (cache hit or fallback) and reply; then, off the target's critical path,
+        let the fan-out policies learn from the lookups and build the next cache."""
+        start = time.perf_counter()
+        rows = [
+            SpeculateRow(int(seq_id), new.tolist(), int(k), int(n), int(depth))
+            for seq_id, new, k, n, depth in zip(msg.seq_ids, msg.new_token_lists(), msg.num_accepted,
+                                                msg.num_drafts, msg.lookahead)
+        ]
+        fallback = Fallback.RANDOM if msg.fallback == wire.FallbackKind.RANDOM else Fallback.JIT
+        results = self.engine.speculate(rows, fallback)
+        reply = speculation_message(msg.round_id, results, self.engine.K, self.engine.dist.target_vocab_size,
+                                    self.engine.last_build, time.perf_counter() - start)
+        self.conn.send_bytes(reply.pack())
+        if self.clock is not None:
+            self.clock.replied()
+        # The reply is out: from here on the draft works while the target verifies.
+        served = {}
+        for row, result in zip(rows, results):
+            previous = self.built.pop(row.seq_id, None)
+            if row.num_accepted >= 0 and previous is not None:
+                k = row.num_accepted
+                f = previous.fan_out[k] if k < len(previous.fan_out) else 0
+                self.planner.observe(previous.after_hit, k, previous.num_drafts, result.hit, f)
+            served[row.seq_id] = (result.hit, len(result.tokens))
+        self._build(served)
+        self.built_at = time.perf_counter()
+
+    def _build(self, served: dict[int, tuple[bool, int]]) -> None:
+        """Build the next cache: for the sequences just served (``served``: seq_id -> (served by a hit,
+        drafts)), plus the first round of sequences prefilled since the last build (then forgotten): their
+        prompt is a speculation with no drafts, planned like a round not served from the cache (so a geometric
+        plan folds its whole budget onto k = 0). With interruptible builds (a clock), a waiting message or the
+        next request's due time ends the build early (``BuildClock``)."""
+        for seq_id in self.first_round:
+            served.setdefault(seq_id, (False, 0))  # one that was served already holds that speculation now
+        self.first_round.clear()
+        plans = {seq_id: self.planner.plan(hit, num_drafts) for seq_id, (hit, num_drafts) in served.items()}
+        if self.clock is not None:
+            self.clock.start_build()
+        should_stop = None if self.clock is None else self.clock.should_stop
+        fan_outs = self.engine.build_cache(plans, should_stop=should_stop).fan_outs
+        for seq_id, (hit, num_drafts) in served.items():
+            if seq_id in fan_outs:
+                self.built[seq_id] = BuiltCache(hit, num_drafts, fan_outs[seq_id])
 
 
 def speculation_message(

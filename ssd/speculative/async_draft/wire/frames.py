@@ -33,7 +33,7 @@ from typing import Any, Union
 
 import numpy as np
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: PING and PONG left the wire (nothing sent them)
 _MAGIC = b"SSDw"
 _PREFIX = struct.Struct("<4sHHI")  # magic, version, command, header length
 _ALIGN = 8
@@ -53,11 +53,9 @@ class Command(enum.IntEnum):
     SPECULATE = 2
     RELEASE = 3
     SHUTDOWN = 4
-    PING = 5
     READY = 16
     SPECULATION = 17
     ERROR = 18
-    PONG = 19
 
 
 @dataclass

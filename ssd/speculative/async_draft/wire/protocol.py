@@ -304,28 +304,8 @@ class ShutdownMsg(WireMessage):
 
 
 @dataclass(eq=False)
-class PingMsg(WireMessage):
-    """Liveness check; the worker answers PONG with the same nonce."""
-
-    COMMAND: ClassVar[Command] = Command.PING
-    nonce: int = 0
-
-    def _validate(self) -> None:
-        self.nonce = check_int("PingMsg", "nonce", self.nonce)
-
-
-@dataclass(eq=False)
-class PongMsg(WireMessage):
-    COMMAND: ClassVar[Command] = Command.PONG
-    nonce: int = 0
-
-    def _validate(self) -> None:
-        self.nonce = check_int("PongMsg", "nonce", self.nonce)
-
-
-@dataclass(eq=False)
 class ReadyMsg(WireMessage):
-    """Acknowledges a request that returns no data (startup, PREFILL, RELEASE); `info` is free-form."""
+    """The worker has started and serves requests (its first message); `info` is free-form."""
 
     COMMAND: ClassVar[Command] = Command.READY
     info: dict[str, Scalar] = field(default_factory=dict)
@@ -356,14 +336,11 @@ class ErrorMsg(WireMessage):
             raise ProtocolError("ErrorMsg.message and ErrorMsg.traceback must be strings")
 
 
-Message = Union[
-    PrefillMsg, SpeculateMsg, SpeculationMsg, ReleaseMsg, ShutdownMsg, PingMsg, PongMsg, ReadyMsg, ErrorMsg
-]
+Message = Union[PrefillMsg, SpeculateMsg, SpeculationMsg, ReleaseMsg, ShutdownMsg, ReadyMsg, ErrorMsg]
 
 _MESSAGE_TYPES: dict[Command, type[WireMessage]] = {
     cls.COMMAND: cls
-    for cls in (PrefillMsg, SpeculateMsg, SpeculationMsg, ReleaseMsg, ShutdownMsg)
-    + (PingMsg, PongMsg, ReadyMsg, ErrorMsg)
+    for cls in (PrefillMsg, SpeculateMsg, SpeculationMsg, ReleaseMsg, ShutdownMsg, ReadyMsg, ErrorMsg)
 }
 
 
