@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ssd.options import Fallback
+
 
 @dataclass
 class SpecStats:
@@ -22,7 +24,7 @@ class SpecStats:
     cache_hits: int = 0
     cache_hits_per_k: list[int] = field(default_factory=list)
     cache_lookups_per_k: list[int] = field(default_factory=list)
-    fallbacks: dict[str, int] = field(default_factory=dict)
+    fallbacks: dict[str, int] = field(default_factory=dict)  # misses served, by Fallback value
     accepted_on_hit: int = 0
     rounds_on_hit: int = 0
     accepted_on_miss: int = 0
@@ -49,7 +51,7 @@ class SpecStats:
         _grow(self.acceptance_histogram, num_draft + 1)
         self.acceptance_histogram[num_accepted] += 1
 
-    def record_lookup(self, k: int, hit: bool, num_accepted: int, fallback: str | None) -> None:
+    def record_lookup(self, k: int, hit: bool, num_accepted: int, fallback: Fallback | None) -> None:
         """One SSD cache lookup keyed by the previous round's k; ``num_accepted`` is this round's result."""
         self.cache_lookups += 1
         _grow(self.cache_lookups_per_k, k + 1)
@@ -64,7 +66,7 @@ class SpecStats:
             self.rounds_on_miss += 1
             self.accepted_on_miss += num_accepted
             if fallback:
-                self.fallbacks[fallback] = self.fallbacks.get(fallback, 0) + 1
+                self.fallbacks[fallback.value] = self.fallbacks.get(fallback.value, 0) + 1
 
     def merge(self, other: "SpecStats") -> None:
         for name, value in vars(other).items():

@@ -8,11 +8,12 @@ import threading
 import numpy as np
 import pytest
 
+from ssd.options import Fallback
 from ssd.speculative.async_draft.wire.protocol import (
     PROTOCOL_VERSION,
     Command,
     ErrorMsg,
-    FallbackKind,
+    FALLBACK_CODES,
     PrefillMsg,
     ProtocolError,
     ReadyMsg,
@@ -22,6 +23,7 @@ from ssd.speculative.async_draft.wire.protocol import (
     SpeculationMsg,
     decode_frame,
     decode_message,
+    encode_fallbacks,
     encode_frame,
     recv_message,
     scatter_prob_rows,
@@ -46,12 +48,13 @@ def _speculation(B=3, K=4, V=11, rows=(2, 0), seed=0) -> SpeculationMsg:
     rng = np.random.default_rng(seed)
     probs = rng.random((len(rows), K, V), dtype=np.float32)
     hit = np.zeros(B, dtype=bool)
-    fallback = np.full(B, FallbackKind.JIT, dtype=np.uint8)
+    fallbacks = [Fallback.JIT] * B
     if B:
         hit[0] = True
-        fallback[0] = FallbackKind.NONE
+        fallbacks[0] = None
     if B > 2:
-        fallback[2] = FallbackKind.RANDOM
+        fallbacks[2] = Fallback.RANDOM
+    fallback = encode_fallbacks(fallbacks)
     return SpeculationMsg(
         round_id=2**40 + 5,
         draft_tokens=rng.integers(0, V, (B, K)),
@@ -104,9 +107,12 @@ def test_speculate_round_trip():
     assert out.lookahead.tolist() == [4, 3] and out.lookahead.dtype == np.int32
     # without a lookahead the next cache prepares as many drafts as this round asks for
     assert SpeculateMsg.from_lists(0, [5], [[1]], [0], [2]).lookahead.tolist() == [2]
-    assert out.fallback == FallbackKind.JIT
-    msg.fallback = int(FallbackKind.RANDOM)  # the client sets the batch's fallback after building
-    assert decode_message(msg.pack()).fallback == FallbackKind.RANDOM
+    assert out.fallback is Fallback.JIT
+    msg.fallback = Fallback.RANDOM  # the client sets the batch's fallback after building
+    assert decode_message(msg.pack()).fallback is Fallback.RANDOM
+    msg.fallback = Fallback.AUTO  # a policy that picks a fallback, not one: refused when the message is read
+    with pytest.raises(ProtocolError, match="fallback must be one of"):
+        decode_message(msg.pack())
 
 
 def test_speculation_round_trip_with_some_prob_rows():
@@ -117,7 +123,8 @@ def test_speculation_round_trip_with_some_prob_rows():
     assert out.round_id == 2**40 + 5 and out.cache_build_s == 0.0123 and out.serve_s == 1e-4
     assert out.cache_branches == 37 and out.cache_cut_short == 1
     assert out.hit.tolist() == [True, False, False]
-    assert out.fallback.tolist() == [FallbackKind.NONE, FallbackKind.JIT, FallbackKind.RANDOM]
+    assert out.fallbacks() == [None, Fallback.JIT, Fallback.RANDOM]
+    assert out.fallback.tolist() == [FALLBACK_CODES[f] for f in (None, Fallback.JIT, Fallback.RANDOM)]
     assert out.num_drafts.tolist() == [4, 4, 4]  # none given: every row holds K drafts
     dense = out.dense_probs()
     assert dense.shape == (3, 4, 11) and dense.dtype == np.float32 and dense.flags.writeable
@@ -362,8 +369,8 @@ _NO_PROBS = np.zeros((0, 2, 4), dtype=np.float32)
         (lambda: _speculation(rows=(0, 0)), "distinct row indices"),
         (lambda: _speculation(rows=(3,)), "distinct row indices"),
         (lambda: _speculation(rows=(-1,)), "distinct row indices"),
-        (lambda: SpeculationMsg(0, np.zeros((1, 2), np.int64), [True], [1], [], _NO_PROBS), "fallback NONE"),
-        (lambda: SpeculationMsg(0, np.zeros((1, 2), np.int64), [False], [3], [], _NO_PROBS), "FallbackKind"),
+        (lambda: SpeculationMsg(0, np.zeros((1, 2), np.int64), [True], [1], [], _NO_PROBS), "no fallback, code 0"),
+        (lambda: SpeculationMsg(0, np.zeros((1, 2), np.int64), [False], [3], [], _NO_PROBS), "FALLBACK_CODES"),
         (lambda: SpeculationMsg(0, np.zeros((1, 2), np.int64), [2], [1], [], _NO_PROBS), "other than 0/1"),
         (lambda: SpeculationMsg(0, np.zeros((1, 2), np.int64), [0], [1], [], []), "probs must be 3-D"),
         (
@@ -376,8 +383,8 @@ _NO_PROBS = np.zeros((0, 2, 4), dtype=np.float32)
         ),
         (lambda: SpeculationMsg(0, np.zeros((1, 2), np.int64), [0], [1], [], _NO_PROBS, serve_s="x"),
          "serve_s"),
-        (lambda: SpeculateMsg(0, [1], [1], [1], [0], [1], [1], fallback=0), "fallback must be JIT or RANDOM"),
-        (lambda: SpeculateMsg(0, [1], [1], [1], [0], [1], [1], fallback=3), "fallback must be JIT or RANDOM"),
+        (lambda: SpeculateMsg(0, [1], [1], [1], [0], [1], [1], fallback=None), "fallback must be one of"),
+        (lambda: SpeculateMsg(0, [1], [1], [1], [0], [1], [1], fallback="auto"), "fallback must be one of"),
         (lambda: ErrorMsg(message=3), "must be strings"),
         (lambda: ReadyMsg(info={"a": [1]}), "field 'a'"),
     ],

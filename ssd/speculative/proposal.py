@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 
 from ssd.core.sequence import Sequence
+from ssd.options import Fallback
 
 
 @dataclass
@@ -29,7 +30,7 @@ class Proposal:
     draft_probs: torch.Tensor  # [B, K, V] float32, V = the target's vocabulary size
     num_drafts: list[int]  # per row; row i uses draft_tokens[i, :num_drafts[i]]
     cache_hit: list[bool] | None = None  # SSD: whether each row came from the speculation cache
-    fallback: list[str | None] | None = None  # SSD: the fallback kind used for a miss
+    fallback: list[Fallback | None] | None = None  # SSD: what served each row that missed (None: a hit)
     copied: torch.Tensor | None = None  # [B, K] bool: drafts that prompt lookup copied from the context
     # False for a row whose drafts are not the proposer's best guesses (SSD's random filler): their
     # acceptance says nothing about the rates the adaptive lookahead plans with. None: every row is.
@@ -51,7 +52,7 @@ class DraftOrigin:
 
     copied: list[bool] | None = None  # per draft position: prompt lookup copied it (None: not said)
     cache_hit: bool | None = None  # served from a speculation cache (None: the proposer has none)
-    fallback: str | None = None  # what served a cache miss
+    fallback: Fallback | None = None  # what served a cache miss
     informative: bool = True  # the acceptance of these drafts measures the proposer (see Proposal)
 
 

@@ -130,7 +130,7 @@ class SSDProposer:
         round_id = next(self._round_ids)
         try:
             msg = wire.SpeculateMsg.from_lists(round_id, *zip(*rows))
-            msg.fallback = int(wire.FallbackKind.RANDOM if fallback is Fallback.RANDOM else wire.FallbackKind.JIT)
+            msg.fallback = fallback
             self._send(msg)
             reply = self._receive(self.timeout_s)
         except DraftWorkerError as exc:
@@ -164,7 +164,7 @@ class SSDProposer:
         # consumed by verification before the next round overwrites it.
         probs = torch.from_numpy(reply.dense_probs(self.vocab_size, out=self._probs_buffer))  # [B, K, V]
         hits = reply.hit.tolist()
-        fallbacks = [None if hit else wire.FallbackKind(kind).name.lower() for hit, kind in zip(hits, reply.fallback)]
+        fallbacks = reply.fallbacks()  # None where the row hit the cache
         copied = torch.from_numpy(reply.copied)  # [B, K]
         # A random filler's drafts are prompt-lookup copies (or none), not the draft model's guesses.
         informative = [kind != Fallback.RANDOM for kind in fallbacks]
@@ -181,14 +181,9 @@ class SSDProposer:
         return self._statistics
 
     def _empty(self, requests: list[ProposalRequest]) -> Proposal:
+        """No drafts for any row (the worker is unavailable): plain decoding, no cache lookup."""
         b = len(requests)
-        return Proposal(
-            torch.zeros(b, 1, dtype=torch.long),
-            torch.zeros(b, 1, self.vocab_size),
-            [0] * b,
-            [False] * b,
-            ["none"] * b,
-        )
+        return Proposal(torch.zeros(b, 1, dtype=torch.long), torch.zeros(b, 1, self.vocab_size), [0] * b)
 
     def on_verified(self, rounds: list[VerifiedRound]) -> None:
         if self._round is not None:

@@ -22,7 +22,7 @@ import torch
 from ssd.config import EngineConfig, SpeculativeConfig
 from ssd.core.block_pool import BlockPool
 from ssd.core.kv_cache_manager import KVCacheManager
-from ssd.options import Fallback, FillerPadding
+from ssd.options import FillerPadding
 from ssd.runtime.model_runner import GraphOptions, ModelRunner
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.async_draft.draft_engine import DraftEngine
@@ -217,8 +217,7 @@ class DraftWorker:
             for seq_id, new, k, n, depth in zip(msg.seq_ids, msg.new_token_lists(), msg.num_accepted,
                                                 msg.num_drafts, msg.lookahead)
         ]
-        fallback = Fallback.RANDOM if msg.fallback == wire.FallbackKind.RANDOM else Fallback.JIT
-        results = self.engine.speculate(rows, fallback)
+        results = self.engine.speculate(rows, msg.fallback)
         reply = speculation_message(msg.round_id, results, self.engine.K, self.engine.dist.target_vocab_size,
                                     self.engine.last_build, time.perf_counter() - start)
         self.conn.send_bytes(reply.pack())
@@ -273,7 +272,7 @@ def speculation_message(
         round_id=round_id,
         draft_tokens=tokens,
         hit=np.array([r.hit for r in results], dtype=np.bool_),
-        fallback=np.array([_FALLBACK_KIND[r.fallback] for r in results], dtype=np.uint8),
+        fallback=wire.encode_fallbacks([r.fallback for r in results]),
         prob_rows=np.array(prob_rows, dtype=np.int32),
         probs=torch.stack(probs).numpy() if probs else np.zeros((0, K, vocab), dtype=np.float32),
         copied=copied,
@@ -283,10 +282,6 @@ def speculation_message(
         cache_cut_short=int(build.cut_short),
         serve_s=serve_s,
     )
-
-
-_FALLBACK_KIND = {None: wire.FallbackKind.NONE, Fallback.JIT: wire.FallbackKind.JIT,
-                  Fallback.RANDOM: wire.FallbackKind.RANDOM}
 
 
 def _params(msg: wire.PrefillMsg, row: int) -> SamplingParams:

@@ -10,7 +10,6 @@ arrays that never alias a reused receive buffer); only those named in a class's 
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import ClassVar, Union
 
 import numpy as np
 
+from ssd.options import Fallback
 from ssd.speculative.async_draft.wire.frames import (  # noqa: F401 - re-exported: the protocol's public names live here
     PROTOCOL_VERSION,
     Command,
@@ -43,12 +43,17 @@ from ssd.speculative.async_draft.wire.message_base import (  # noqa: F401 - pack
 logger = logging.getLogger(__name__)
 
 
-class FallbackKind(enum.IntEnum):
-    """How a row of a SPECULATION was produced when the cache missed (NONE for a hit)."""
+FALLBACK_CODES: dict[Fallback | None, int] = {None: 0, Fallback.JIT: 1, Fallback.RANDOM: 2}
+"""How a SPECULATION's ``fallback`` array spells the :class:`~ssd.options.Fallback` that served each row (0: none,
+the row hit the cache)."""
+_FALLBACK_OF_CODE = {code: fallback for fallback, code in FALLBACK_CODES.items()}
+MISS_FALLBACKS = (Fallback.JIT, Fallback.RANDOM)  # what a SPECULATE may ask to serve misses with
 
-    NONE = 0
-    JIT = 1
-    RANDOM = 2
+
+def encode_fallbacks(fallbacks: Sequence[Fallback | None]) -> np.ndarray:
+    """Each row's fallback (None: a hit) as the ``fallback`` array of a SPECULATION ([B] uint8)."""
+    return np.array([FALLBACK_CODES[f] for f in fallbacks], dtype=np.uint8)
+
 
 _I64 = np.dtype(np.int64)
 _I32 = np.dtype(np.int32)
@@ -165,13 +170,14 @@ class SpeculateMsg(WireMessage):
     num_accepted: np.ndarray  # [B] int64, -1 = no previous round / unknown
     num_drafts: np.ndarray  # [B] int32, K_i
     lookahead: np.ndarray  # [B] int32, tree depth of the next cache, >= K_i
-    fallback: int = 1  # FallbackKind for the rows that miss (JIT or RANDOM), chosen by the client
+    fallback: Fallback = Fallback.JIT  # what serves the rows that miss (JIT or RANDOM), chosen by the client
 
     def _validate(self) -> None:
         self.round_id = check_int("SpeculateMsg", "round_id", self.round_id)
-        self.fallback = check_int("SpeculateMsg", "fallback", self.fallback)
-        if self.fallback not in (FallbackKind.JIT, FallbackKind.RANDOM):
-            raise ProtocolError(f"SpeculateMsg.fallback must be JIT or RANDOM, got {self.fallback}")
+        if self.fallback not in MISS_FALLBACKS:
+            raise ProtocolError(f"SpeculateMsg.fallback must be one of {[f.value for f in MISS_FALLBACKS]}, "
+                                f"got {self.fallback!r}")
+        self.fallback = Fallback(self.fallback)  # travels as its name
         per_row = ("new_lengths", "num_accepted", "num_drafts", "lookahead")
         check_rows("SpeculateMsg", self.seq_ids.shape[0], self, per_row)
         check_ragged("SpeculateMsg", "new_token_ids", "new_lengths", self)
@@ -232,7 +238,7 @@ class SpeculationMsg(WireMessage):
     round_id: int
     draft_tokens: np.ndarray  # [B, K] int64
     hit: np.ndarray  # [B] bool
-    fallback: np.ndarray  # [B] uint8, FallbackKind
+    fallback: np.ndarray  # [B] uint8, the fallback that served each row (FALLBACK_CODES; 0 on a hit)
     prob_rows: np.ndarray  # [S] int32, distinct rows in [0, B)
     probs: np.ndarray  # [S, K, V] float32
     copied: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.bool_))  # [B, K]: prompt lookup's
@@ -264,10 +270,11 @@ class SpeculationMsg(WireMessage):
         check_rows(owner, B, self, ("num_drafts",))
         if B and (self.num_drafts.min() < 0 or self.num_drafts.max() > K):
             raise ProtocolError(f"{owner}.num_drafts must lie in [0, K={K}], got {self.num_drafts.tolist()}")
-        if B and int(self.fallback.max()) > max(FallbackKind):
-            raise ProtocolError(f"{owner}.fallback values must be FallbackKind values 0..{max(FallbackKind)}")
-        if np.any(self.hit & (self.fallback != FallbackKind.NONE)):
-            raise ProtocolError(f"{owner}: a row that hit the cache must have fallback NONE")
+        if B and not set(self.fallback.tolist()) <= set(_FALLBACK_OF_CODE):
+            raise ProtocolError(f"{owner}.fallback values must be FALLBACK_CODES {sorted(_FALLBACK_OF_CODE)}, got "
+                                f"{self.fallback.tolist()}")
+        if np.any(self.hit & (self.fallback != FALLBACK_CODES[None])):
+            raise ProtocolError(f"{owner}: a row that hit the cache must have no fallback, code 0")
         S = self.prob_rows.shape[0]
         if self.probs.shape[0] != S:
             raise ProtocolError(f"{owner}.probs has {self.probs.shape[0]} rows but prob_rows lists {S}")
@@ -282,6 +289,10 @@ class SpeculationMsg(WireMessage):
     @property
     def batch_size(self) -> int:
         return int(self.draft_tokens.shape[0])
+
+    def fallbacks(self) -> list[Fallback | None]:
+        """The fallback that served each row (None: the row hit the cache)."""
+        return [_FALLBACK_OF_CODE[code] for code in self.fallback.tolist()]
 
     def dense_probs(self, vocab_size: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
         """[B, K, V] float32, zeros in the rows that sent no probabilities (see `scatter_prob_rows`)."""
