@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 "transformers", transformers.__version__, "devices", torch.cuda.device_count())' || exit 1
 
 timeout -s ABRT -k 10 "${TEST_LIMIT_S:-180}" "$py" -m pytest -q -rs -p no:cacheprovider \
-    tests/test_cuda_graphs.py tests/test_verify.py tests/test_sampler.py tests/test_attention_backends.py \
+    tests/test_cuda_graphs.py tests/test_rejection.py tests/test_sampler.py tests/test_attention_backends.py \
     tests/test_gpu_check.py tests/test_fused_kernels.py 2>&1 | tee "$out/gpu_tests.log" || status=1
 
 timeout -s ABRT -k 10 "${CHECK_LIMIT_S:-300}" "$py" bench/gpu_check.py --json "$out/gpu_check.json" "$@" 2>&1 \

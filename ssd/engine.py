@@ -27,7 +27,7 @@ from ssd.resolve import resolve_config
 from ssd.sample.sampler import make_generator
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.factory import build_proposer
-from ssd.speculative.lookahead import lookahead_policy
+from ssd.speculative.round_plan import RoundPlanner
 from ssd.speculative.proposal import TargetFacts, VerifiedRound
 from ssd.step import RowContext, StepExecutor, StepResult
 from ssd.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -82,8 +82,7 @@ class LLMEngine:
                 self.shutdown()
                 raise
         self.executor = StepExecutor(self.runner, self.proposer, self.default_generator)
-        self.lookahead_policy = None if self.spec is None else lookahead_policy(self.spec)
-        self._step_lookahead: int | None = None  # this step's K under the adaptive policy, chosen on first use
+        self.rounds = None if self.spec is None else RoundPlanner(self.spec, self.max_model_len)  # round drafts
         self.requests: dict[int, Request] = {}
         self.stats = SpecStats()
         self._seq_ids = itertools.count()
@@ -190,9 +189,8 @@ class LLMEngine:
     # ---------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns outputs of the requests that produced tokens or finished."""
-        self._step_lookahead = None
         try:
-            plan = self.scheduler.schedule(self._lookahead_plan())
+            plan = self.scheduler.schedule(self._round_drafts())
         except SequenceTooLongError as exc:  # can never fit: fail that request, keep serving the others
             return [self._fail_request(self.requests[exc.seq.seq_id], str(exc))]
         for seq in plan.preempted:
@@ -215,42 +213,17 @@ class LLMEngine:
             )
         started = time.perf_counter()
         result = self.executor.execute(plan.scheduled, contexts)
-        self._observe_step_time(plan.scheduled, result, time.perf_counter() - started)
+        if self.rounds is not None:
+            self.rounds.observe_step([s.num_new_tokens for s in plan.scheduled],
+                                     sum(r.num_drafts for r in result.rounds.values()), time.perf_counter() - started)
         return self._update(plan.scheduled, result)
 
-    def _observe_step_time(self, scheduled, result: StepResult, seconds: float) -> None:
-        """Feed the adaptive lookahead with pure decode steps (one new token per sequence: no prefill chunk
-        in the batch), whose time depends only on the batch size and the drafts per sequence."""
-        if self.lookahead_policy is None or any(s.num_new_tokens != 1 for s in scheduled):
-            return
-        drafts = sum(r.num_drafts for r in result.rounds.values())
-        self.lookahead_policy.observe_step(len(scheduled), drafts / len(scheduled), seconds)
-
-    def _lookahead_plan(self) -> dict[int, int]:
-        """K of every sequence the scheduler may run this step (running, then waiting), decided before it
-        schedules; the scheduler caps it by the token budget and the model length."""
-        if self.spec is None:
+    def _round_drafts(self) -> dict[int, int]:
+        """The scheduler's plan: round drafts of every sequence it may run this step (``RoundPlanner``)."""
+        if self.rounds is None:
             return {}
-        return {seq.seq_id: self._lookahead(seq) for seq in (*self.scheduler.running, *self.scheduler.waiting)}
-
-    def _lookahead(self, seq: Sequence) -> int:
-        """Draft tokens a decoding sequence gets this round (0 = plain decoding)."""
-        if self.spec is None or not self._speculates(self.requests[seq.seq_id]):
-            return 0
-        if seq.num_output_tokens == 0 and not self.spec.prompt_step_speculation:
-            return 0  # the prompt's step emits its first token without waiting for the draft
-        # A round emits up to K + 1 tokens (the bonus takes the last place), under both length limits.
-        remaining_len = self.max_model_len - seq.num_tokens - 1
-        remaining_out = seq.sampling_params.max_tokens - seq.num_output_tokens - 1
-        return max(0, min(self._lookahead_k(), remaining_len, remaining_out))
-
-    def _lookahead_k(self) -> int:
-        """K for this step: the configured one, or the adaptive policy's choice for the decoding batch."""
-        if self.lookahead_policy is None:
-            return self.spec.num_speculative_tokens
-        if self._step_lookahead is None:
-            self._step_lookahead = self.lookahead_policy.choose_for(self.scheduler.running)
-        return self._step_lookahead
+        return self.rounds.plan(self.scheduler.running, self.scheduler.waiting,
+                                lambda seq: self._speculates(self.requests[seq.seq_id]))
 
     def _speculates(self, request: Request) -> bool:
         # While EOS is banned (min_tokens) the processed distribution depends on the output position; plain
@@ -312,8 +285,8 @@ class LLMEngine:
 
     def _record_round(self, request: Request, round_: VerifiedRound) -> None:
         origin = round_.origin
-        if self.lookahead_policy is not None and origin.informative:
-            self.lookahead_policy.observe_round(request.seq.seq_id, round_.num_drafts, round_.num_accepted)
+        if self.rounds is not None and origin.informative:
+            self.rounds.observe_round(request.seq.seq_id, round_.num_drafts, round_.num_accepted)
         for stats in (request.spec_stats, self.stats):
             stats.record_round(round_.num_drafts, round_.num_accepted, origin.copied)
             if origin.cache_hit is not None:
@@ -363,8 +336,8 @@ class LLMEngine:
     def _release(self, request: Request) -> None:
         if self.proposer is not None:
             self.proposer.release(request.seq)
-        if self.lookahead_policy is not None:
-            self.lookahead_policy.forget(request.seq.seq_id)
+        if self.rounds is not None:
+            self.rounds.forget(request.seq.seq_id)
 
     def _make_output(self, request: Request, new_text: str) -> RequestOutput:
         seq = request.seq

@@ -198,7 +198,7 @@ def test_engine_builds_the_policy_the_setting_asks_for(checkpoint_factory):
         spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 2,
                 "adaptive_lookahead": setting}
         with LLM(model=str(path), speculative_config=spec, kv_cache_memory="16MiB") as llm:
-            policy = llm.engine.lookahead_policy
+            policy = llm.engine.rounds.policy
             assert (policy is None) if min_batch is None else (policy.min_batch_size == min_batch)
 
 
@@ -229,8 +229,8 @@ def test_seeded_sampled_requests_repeat_under_the_adaptive_policy(checkpoint_fac
     with LLM(model=target, speculative_config=spec, kv_cache_memory="16MiB") as llm:
         first = llm.generate([[5, 6, 7, 8]], seeded)[0].token_ids
         chosen = []
-        choose = llm.engine.lookahead_policy.choose
-        llm.engine.lookahead_policy.choose = lambda ids: chosen.append(choose(ids)) or chosen[-1]
+        choose = llm.engine.rounds.policy.choose
+        llm.engine.rounds.policy.choose = lambda ids: chosen.append(choose(ids)) or chosen[-1]
         greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
         llm.generate([[9, 10, 11], [12, 13]], greedy)  # the policy learns (and explores) meanwhile
         assert chosen  # greedy requests do use the policy

@@ -204,7 +204,7 @@ def test_greedy_sd_with_adaptive_lookahead_equals_ar(models, ar_greedy, draft):
     """Each step's K comes from measured acceptance and step times (0 = plain decoding, exploration visits
     every K): whatever it picks, the tokens equal AR, and the policy learned from rounds and steps."""
     llm = make_llm(models("target"), models(draft), k=4, max_num_seqs=8, adaptive_lookahead=True)
-    policy = llm.engine.lookahead_policy
+    policy = llm.engine.rounds.policy
     outputs = llm.generate(GREEDY_PROMPTS, GREEDY_PARAMS)
     _check_greedy(outputs, ar_greedy, range(8))
     assert_stats_consistent(llm, outputs)

@@ -275,7 +275,7 @@ def test_adaptive_lookahead_hits_whatever_lookahead_each_round_chooses(models):
               prompt_lookup=False, draft_weight_format="dense", adaptive_lookahead=True,
               interruptible_build=False) as llm:
         script = itertools.cycle([3, 1, 2, 1, 3, 2])
-        llm.engine.lookahead_policy.choose = lambda seq_ids: next(script)
+        llm.engine.rounds.policy.choose = lambda seq_ids: next(script)
         outputs = llm.generate(PROMPTS, GREEDY)
         _assert_greedy(outputs, models, range(len(PROMPTS)))
         s = llm.stats

@@ -124,3 +124,13 @@ def test_the_command_line_has_a_flag_for_every_option():
     defaults = EngineConfig(**engine_kwargs(parser.parse_args(["--model", "t", "--draft", "d"])))
     library = EngineConfig(model="t", speculative_config={"method": "ssd", "model": "d"})
     assert defaults == library  # the flags' defaults are the library's (the command speculates with SSD)
+
+
+MAX_MODULE_LINES = 400
+
+
+def test_no_module_of_the_package_exceeds_400_lines():
+    """A module that grows past this is doing more than one thing: split it by concern."""
+    long = {str(path.relative_to(ROOT)): n for path in sorted((ROOT / "ssd").rglob("*.py"))
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}, f"modules over {MAX_MODULE_LINES} lines: {long}"

@@ -1,8 +1,8 @@
 """A decoder's layers in one C++ call on CPU, for float32 models whose projections are all block-quantized.
 
 With the fused glue of :mod:`ssd.models.cpu_fused`, a layer of a decoder step is still about 25 Python-level
-calls (module calls, the products' wrappers, views, the attention dispatch): at the 135M target's 30 layers ~4 ms
-of a 12.5 ms q8_0 decode step whose products take ~7, and a third of the default draft's steps. A
+calls (module calls, the products' wrappers, views, the attention dispatch), a large share of a small model's
+step (measured in the README, "Weight formats"). A
 :class:`LayerStack` holds every layer's packed weights in C++ (``csrc/layer_stack.cpp``) and runs the same
 operations, in the same order, through the same kernels (:mod:`ssd.models.block_quant`, the fused glue, the
 row-invariant attention), so its hidden states are those of ``DecoderLayer.fused_forward`` bit for bit; the
