@@ -3,10 +3,9 @@
 ``auto`` picks bfloat16 on CUDA GPUs that support it, float16 on older ones. On a CPU it picks float32 where
 PyTorch has its FBGEMM backend, whose GEMM for float16 weights packed in its own layout (the engine's
 ``weight_format="auto"`` then stores the weights that way, see ``ssd/models/weight_formats.py``) is the fastest
-kernel for the few-row products decoding is made of, even on CPUs that compute bfloat16 natively: on a
-2-core AMD EPYC with AVX-512 BF16, SmolLM2-135M decodes at 44.7 tok/s that way against 20.2 in bfloat16 at
-batch 1 (124.5 vs 74.6 at batch 4; one thread each), because a one-row bfloat16 product runs at a fraction
-of the memory bandwidth (the 49,152-row LM head: 2.3 ms packed, 6.6 ms bfloat16). Without FBGEMM it picks
+kernel for the few-row products decoding is made of, even on CPUs that compute bfloat16 natively, because a
+one-row bfloat16 product runs at a fraction of the memory bandwidth (measured: ``bench/RESULTS.md``, "Numbers
+behind the CPU code"). Without FBGEMM it picks
 bfloat16 where the CPU computes it natively (AVX-512 BF16 or AMX), else float32: there PyTorch emulates
 bf16 matrix products, and the multi-row steps speculation is made of (K + 1 verification rows, tree decoding
 over many branches) run several times slower in emulated bf16 than in float32.

@@ -129,8 +129,7 @@ def attend_cached(
         out = F.scaled_dot_product_attention(queries, keys, values, scale=scale)  # [B, Hkv, H/Hkv, D]
         return out.reshape(num_tokens, num_heads, head_dim)  # [T, H, D]
     # One sequence (a verification at batch 1, a prefill chunk): its T tokens are exactly its query rows, so
-    # the padding and the two row gathers are skipped (0.3-0.9 ms of a 32 ms 5-token verification of the
-    # 135M target on one thread).
+    # the padding and the two row gathers are skipped (what that saves: bench/RESULTS.md).
     one_sequence = meta.query_rows.shape[0] == 1
     if one_sequence:
         queries = query[None]  # [1, T, H, D]

@@ -14,8 +14,8 @@ formats: finer than one scale per row (``"w8a8"``), so outlier channels cost les
 
 Why a kernel of our own: a decode step, a verification (K + 1 rows) or an SSD tree step (a row per branch)
 multiplies a few rows by every weight, so on CPU it should cost what reading the weights costs. PyTorch's
-int8 / int4 weight-only CPU kernels cost by rows (~2.3-2.9x at 5 rows on Zen 4) and llama.cpp's do too (~3.8x
-at 5 rows for Q4_K_M). This kernel (``csrc/block_quant.cpp``) puts 16 output channels in the 16 lanes of an
+int8 / int4 weight-only CPU kernels cost by rows, and llama.cpp's do too (``bench/RESULTS.md``, "Numbers behind
+the CPU code"). This kernel (``csrc/block_quant.cpp``) puts 16 output channels in the 16 lanes of an
 AVX-512 register, so one VNNI instruction adds four products to each of them: a block of 32 inputs costs
 8 instructions per row and 16 channels, the weights are read once and used by up to 12 rows from registers,
 and the float work per block (convert, scale, add) is shared by 16 channels. ``bench/cpu_products.py``

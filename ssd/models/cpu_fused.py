@@ -2,8 +2,8 @@
 
 A decoder step of a small model on CPU spends a large share of its time dispatching PyTorch's small operators:
 per layer, the two RMSNorms (six operators each), the residual adds, RoPE (eight operators per tensor) and the
-two K/V cache writes are ~30 calls on a few hundred floats each (the 135M target's q8_0 decode step: 13.6 ms
-with them, 10.5 ms fused; its products take ~6.5). ``DecoderLM.enable_fused_kernels`` with this module runs
+two K/V cache writes are ~30 calls on a few hundred floats each, a large share of a small model's step
+(``bench/RESULTS.md``, "Numbers behind the CPU code"). ``DecoderLM.enable_fused_kernels`` with this module runs
 each layer through ``fused_forward`` instead, where a C++ kernel (``csrc/cpu_fused.cpp``, compiled on first use
 like the other CPU kernels, ``ssd/models/native.py``) does the residual add with the norm after it, and RoPE with
 the cache write, in one call each. There is no ``dense_attention`` here: attention stays on the CPU paths of

@@ -1,10 +1,9 @@
 """Fused Triton kernels for the small steps around the decoder's matrix products, on CUDA.
 
-At batch 1 a Llama-3-8B step on an H200 spends ~4.3 ms in its matrix products and, in plain PyTorch ops,
-~1,600 small kernels around them (eight per RMSNorm, seven per RoPE, separate residual adds, K/V scatters and
-gathers): ~2.2 ms of kernel time plus ~1.1 ms of gaps even under CUDA graphs (``bench/gpu_check.py
---profile``; with these kernels: ~400 kernels, 5.2 instead of 7.7 ms, see bench/RESULTS.md). Each of these
-does one of those steps in one launch:
+At batch 1 a large model's step on a GPU runs, in plain PyTorch ops, a thousand or more small kernels around
+its matrix products (eight per RMSNorm, seven per RoPE, separate residual adds, K/V scatters and gathers), whose
+launch gaps and memory traffic stay even under CUDA graphs (``bench/gpu_check.py --profile``; measured on an
+H200 in ``bench/RESULTS.md``). Each of these does one of those steps in one launch:
 
 - :func:`add_rms_norm`: the residual add and the RMSNorm that follows it (one row per program);
 - :func:`rope_write_kv`: RoPE on the q and k heads of the fused q/k/v projection (q in place) and the

@@ -3,9 +3,8 @@ float32 (CPU); which models use it is decided in ``weight_formats.py``.
 
 A decode step, a verification or a draft tree step multiplies a few rows by every weight matrix of the model,
 so on CPU its time is the time to stream the weights through MKL's few-row float32 GEMM. FBGEMM's packed
-float16 GEMM reads half the bytes and runs those shapes far better: on a 2-core AVX2 AMD EPYC, one thread, the
-default draft's four layers and 12,288-row head take 7.7 ms in float32 and 1.9 ms packed for one row, 9-11 vs
-2.9 ms for five, 14 vs 6.3 ms for twelve. Activations, norms, attention and the KV cache stay float32; each
+float16 GEMM reads half the bytes and runs those shapes far better (``bench/RESULTS.md``, "Numbers behind the
+CPU code"). Activations, norms, attention and the KV cache stay float32; each
 weight is rounded once to float16 (11 significant bits, relative error <= 2^-11; the default target's
 weights come from a 4-bit GGUF, the draft's from its float32 training).
 """

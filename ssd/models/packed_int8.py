@@ -3,9 +3,8 @@ product's input quantized to 8 bits on the fly ("dynamic" quantization); output 
 uses it for a draft's attention and gate/up projections (``pack_weights`` in ``weight_formats.py``).
 
 An SSD tree step multiplies 5-20 rows (one per branch) by every weight of the draft, where FBGEMM's float16
-GEMM is compute-bound; its int8 GEMM does the same work in about half the time. Measured on the 2-core
-AVX-512 AMD EPYC, one thread, the default draft's four layers and 12,288-row head: 2.3 / 4.5 / 5.1 / 14.4 ms
-packed float16 vs 1.5 / 3.4 / 2.6 / 5.2 ms int8 for 1 / 5 / 8 / 20 rows (float32: 7.4 / 12.4 / 12.9 / 19.1).
+GEMM is compute-bound; its int8 GEMM does the same work in about half the time (``bench/RESULTS.md``,
+"Numbers behind the CPU code").
 
 The rounding is coarser than float16 (weights to 1/127 of their row's largest magnitude, inputs to 1/127 of
 the whole input's, computed with ``reduce_range`` so that FBGEMM's 16-bit pair sums never saturate), which is

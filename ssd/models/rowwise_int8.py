@@ -3,8 +3,7 @@ row (one scale per row), multiplied in integers by FBGEMM; output float32 (CPU).
 
 Why: a decode step, a verification (K + 1 rows) or an SSD tree step (a row per branch) multiplies a few rows by
 every weight of the model, so on CPU it should cost what reading the weights costs. FBGEMM's float16 GEMM is
-compute-bound from two rows on (a 5-row product costs ~1.9x a 1-row one at 1.5B-model shapes on a Zen 4 core);
-its int8 GEMM reads half the bytes and, with VNNI, stays close to flat up to ~8 rows
+compute-bound from two rows on (``bench/RESULTS.md``, "Numbers behind the CPU code"); its int8 GEMM reads half the bytes and, with VNNI, stays close to flat up to ~8 rows
 (``bench/cpu_products.py`` measures both on the machine at hand).
 
 Batch invariance: each row is quantized with its own scale (``s_i = max|x_i| / L``, ``q_i = round(x_i / s_i)``)
@@ -24,11 +23,9 @@ a last-bit matter in float weights (fp16-packed logits differ by ~6e-5 between t
 target) that per-row activation rounding amplifies (a flipped rounding step, then 30 layers: 4.5 in the
 logits), so SD and SSD would not reproduce AR. A w8a8 target therefore computes attention with the
 row-invariant kernel (``ssd/models/row_attention.py``), with which its logits are bitwise identical on all
-three paths (``bench/step_invariance.py``). A w8a8 target is a different model from its checkpoint. Quality:
-on the default target, teacher-forced top-1 agreement with its float32 checkpoint is 90% (fp16-packed: 100%;
-``bench/quant_agreement.py``); a draft's numerics only change its acceptance, which
-stayed within noise (``train/measure.py``, K = 4: 2.54 / 1.86 / 2.77 vs 2.52 / 1.87 / 2.81 in float16 on
-HumanEval-style / chat / HumanEval).
+three paths (``bench/step_invariance.py``). A w8a8 target is a different model from its checkpoint (its
+top-1 agreement with the float32 checkpoint: ``bench/quant_agreement.py``); a draft's numerics only change its
+acceptance, which stayed within noise (``train/measure.py``; both in ``bench/RESULTS.md``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """``x @ W.T (+ b)`` for a few rows of ``x`` on CPU, in whichever of two equivalent GEMM orientations is faster.
 
 BLAS libraries dispatch products with few rows (verifying K + 1 tokens, decoding a small batch, an SSD tree of a
-few branches: ``[M, H] x [H, N]`` with M = 2..16) to kernels whose speed varies wildly with M. With MKL on a
-2-core AVX2 AMD EPYC, one thread, the 49,152 x 576 head of the default target takes 12 ms for one row, 42 ms for
-three and 23 ms for five, while the same product computed as ``(W @ x.T).T`` takes 6-12 ms for two to five
-rows; over the 120 projections of its 30 layers the plain product takes 73 ms for two rows, 91 for three and
-66 for five, the transposed one 36, 60 and 51 (one row: 40 either way).
+few branches: ``[M, H] x [H, N]`` with M = 2..16) to kernels whose speed varies wildly with M, and the same
+product computed as ``(W @ x.T).T`` is often much faster (``bench/RESULTS.md``, "Numbers behind the CPU code").
 
 :class:`SmallRowMatmul` times both orientations the first time it meets a (weight shape, row count) and keeps
 the faster; the transposed one must win by :data:`MARGIN`, so near ties keep the plain product. The timing

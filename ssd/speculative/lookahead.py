@@ -26,8 +26,7 @@ lookahead. Exploration steps use the next K of a round robin over 0..K_max inste
 line stays measured at several points and every depth keeps being tested: the first comes `EXPLORE_EVERY`
 steps into a batch size, and each next one twice as many steps after the last (up to `MAX_EXPLORE_EVERY`)
 while the best K stays the same; a new best K brings the gap back to `EXPLORE_EVERY`. An exploration step
-can cost far more than its K suggests (at batch 4 on a CPU where K = 0 wins, a K = 1 step with the draft's
-catch-up took 75 ms against 32 ms), so a settled choice is re-checked rarely.
+can cost far more than its K suggests (``bench/RESULTS.md``), so a settled choice is re-checked rarely.
 Pure Python, no torch; unit tested with exact values.
 """
 
@@ -118,8 +117,8 @@ def lookahead_policy(spec: "SpeculativeConfig") -> "LookaheadPolicy | None":
 
 def auto_min_batch_size(method: SpecMethod) -> int:
     """The smallest decoding batch whose K the ``"auto"`` setting lets the policy choose. SSD's drafts cost the
-    target nothing, and one sequence ran 5% slower to 6% faster with the choice (HumanEval / chat, one
-    process); SD's drafts cost it their steps, and the choice never lost (chat +28%). At batch 4 both gained."""
+    target nothing, and for one sequence the choice measured within noise; SD's drafts cost it their steps, and
+    the choice never lost; at batch 4 both gained (``bench/RESULTS.md``)."""
     return 2 if method == SpecMethod.SSD else 1
 
 
