@@ -26,7 +26,8 @@ def gather(steps: dict, peer: dict, suite: dict) -> dict:
     """``steps``' headline plus the peer's and the suite's ratios (see the module doc)."""
     headline = dict(steps.get("headline", {}))
     headline["ar_over_llamacpp"] = {
-        fmt: {f"t{key.rsplit('_t', 1)[1]}": value for key, value in ratios.items() if key.startswith("ar_over_llamacpp_t")}
+        fmt: {f"t{key.rsplit('_t', 1)[1]}": value for key, value in ratios.items()
+              if key.startswith("ar_over_llamacpp_t")}
         for fmt, ratios in peer["ratios"].items()
     }
     headline["best_spec_over_llamacpp"] = {fmt: ratios["best_over_llamacpp_best"]

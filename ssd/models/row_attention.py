@@ -15,7 +15,8 @@ and values comes from memory once for a verification's rows and GQA's heads, whi
 its own chain: a fused multiply-add per 16-wide chunk of the head and one lane reduction per score (the lane
 sums of 16 keys reduced together, in the pairs of a single vector's reduction), exponentials 16 keys at a time
 by one polynomial, values accumulated in key order. Elsewhere a scalar path computes each (row, head) alone (16
-fixed lanes combined pairwise, ``std::exp``): different bits from the vector path, but one machine always runs the same path.
+fixed lanes combined pairwise, ``std::exp``): different bits from the vector path, but one machine always runs
+the same path.
 
 The C++ source (``ssd/models/csrc/row_attention.cpp``) is compiled once per machine on first use
 (``ssd/models/native.py``; a C++ compiler and ninja are needed); :func:`available` says whether that worked.

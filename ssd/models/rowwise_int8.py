@@ -3,8 +3,9 @@ row (one scale per row), multiplied in integers by FBGEMM; output float32 (CPU).
 
 Why: a decode step, a verification (K + 1 rows) or an SSD tree step (a row per branch) multiplies a few rows by
 every weight of the model, so on CPU it should cost what reading the weights costs. FBGEMM's float16 GEMM is
-compute-bound from two rows on (``bench/RESULTS.md``, "Numbers behind the CPU code"); its int8 GEMM reads half the bytes and, with VNNI, stays close to flat up to ~8 rows
-(``bench/cpu_products.py`` measures both on the machine at hand).
+compute-bound from two rows on (``bench/RESULTS.md``, "Numbers behind the CPU code"); its int8 GEMM reads half
+the bytes and, with VNNI, stays close to flat up to ~8 rows (``bench/cpu_products.py`` measures both on the
+machine at hand).
 
 Batch invariance: each row is quantized with its own scale (``s_i = max|x_i| / L``, ``q_i = round(x_i / s_i)``)
 and the product of integers is exact, so a row's result is bitwise the same whatever rows share the call and

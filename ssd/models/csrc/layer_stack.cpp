@@ -49,8 +49,9 @@ at::Tensor LayerStack::attention(const DecoderLayerWeights& layer, at::Tensor no
   }
   rope_write_kv(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_heads_, num_kv_heads_, d);
   at::Tensor query = qkv.narrow(1, 0, q_size).view({tokens, num_heads_, d}).contiguous();  // [T, H, D]
-  at::Tensor out = row_attention(query, key_cache.view({-1, num_kv_heads_, d}), value_cache.view({-1, num_kv_heads_, d}),
-                                 kv_slots, query_rows, mask, scale_);  // [T, H, D]
+  at::Tensor out = row_attention(query, key_cache.view({-1, num_kv_heads_, d}),
+                                 value_cache.view({-1, num_kv_heads_, d}), kv_slots, query_rows, mask,
+                                 scale_);  // [T, H, D]
   return layer.o(out.reshape({tokens, q_size}));  // [T, hidden]
 }
 
