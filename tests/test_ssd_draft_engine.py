@@ -128,7 +128,7 @@ class Track:
     text: list[int]  # committed tokens; the last one is pending
     params: SamplingParams
     spec: list[int] = field(default_factory=list)  # e_1..e_n returned last round
-    lookahead: int = K  # drafts the last round asked for: the length of every branch built after it
+    tree_depth: int = K  # drafts the last round asked for: the length of every branch built after it
     fan_out: list[int] = field(default_factory=list)  # F_0..F_K of the latest build_cache
 
 
@@ -181,7 +181,7 @@ class Harness:
             else:
                 self._check_speculation(track, result.tokens, result.probs, track.fan_out if not result.hit else None)
             track.spec = list(result.tokens)
-            track.lookahead = num_drafts
+            track.tree_depth = num_drafts
             out[row.seq_id] = result
         return out
 
@@ -232,7 +232,7 @@ class Harness:
             assert stats.fan_outs[seq_id] == self.engine.states[seq_id].fan_out == track.fan_out
             cache = self.engine.states[seq_id].cache
             assert set(cache) == keys, f"seq {seq_id}"
-            full = track.lookahead if depth is None else depth
+            full = track.tree_depth if depth is None else depth
             for (k, c), entry in cache.items():
                 prefix = track.text + track.spec[:k] + [c]
                 n = full if weights is None else self.dynamic_length(prefix, entry.tokens, weights[(k, c)],

@@ -97,16 +97,16 @@ def test_prefill_round_trip_ragged_and_seeds():
 def test_speculate_round_trip():
     msg = SpeculateMsg.from_lists(
         round_id=17, seq_ids=[5, 6], new_token_ids=[[9, 8, 7, 6], [4]], num_accepted=[3, -1],
-        num_drafts=[4, 2], lookahead=[4, 3],
+        num_drafts=[4, 2], tree_depth=[4, 3],
     )
     out = decode_message(msg.pack())
     assert isinstance(out, SpeculateMsg) and out.round_id == 17 and out.batch_size == 2
     _assert_arrays_equal(msg, out, SpeculateMsg.ARRAYS)
     assert [t.tolist() for t in out.new_token_lists()] == [[9, 8, 7, 6], [4]]
     assert out.num_accepted.tolist() == [3, -1] and out.num_drafts.dtype == np.int32
-    assert out.lookahead.tolist() == [4, 3] and out.lookahead.dtype == np.int32
-    # without a lookahead the next cache prepares as many drafts as this round asks for
-    assert SpeculateMsg.from_lists(0, [5], [[1]], [0], [2]).lookahead.tolist() == [2]
+    assert out.tree_depth.tolist() == [4, 3] and out.tree_depth.dtype == np.int32
+    # without a tree depth the next cache prepares as many drafts as this round asks for
+    assert SpeculateMsg.from_lists(0, [5], [[1]], [0], [2]).tree_depth.tolist() == [2]
     assert out.fallback is Fallback.JIT
     msg.fallback = Fallback.RANDOM  # the client sets the batch's fallback after building
     assert decode_message(msg.pack()).fallback is Fallback.RANDOM
@@ -359,7 +359,7 @@ _NO_PROBS = np.zeros((0, 2, 4), dtype=np.float32)
         (lambda: SpeculateMsg.from_lists(0, [1, 2], [[1]], [0], [1]), "rows, expected 2"),
         (lambda: SpeculateMsg.from_lists(0, [1], [[1]], [-2], [1]), "num_accepted must be >= -1"),
         (lambda: SpeculateMsg.from_lists(0, [1], [[1]], [0], [-1]), "num_drafts must be >= 0"),
-        (lambda: SpeculateMsg.from_lists(0, [1], [[1]], [0], [3], [2]), "lookahead must be >= num_drafts"),
+        (lambda: SpeculateMsg.from_lists(0, [1], [[1]], [0], [3], [2]), "tree_depth must be >= num_drafts"),
         (lambda: SpeculateMsg(0, [1], [1], [1], [0], np.array([2**40]), [1]), "outside the int32 range"),
         (lambda: SpeculateMsg(True, [1], [1], [1], [0], [1], [1]), "round_id must be an integer"),
         (lambda: PrefillMsg(*([[1]] * 2), [-1], *([[0]] * 7)), "lengths must be >= 0"),

@@ -2,8 +2,8 @@
 
 Given the target's processed distributions p_0..p_K over the speculation [t_n, d_1..d_K] and the exact
 distributions q_1..q_K the drafts were drawn from, emits the accepted prefix plus one recovery or bonus
-token. The emitted tokens are distributed exactly as sampling from p autoregressively (DESIGN.md §2),
-whatever q is, as long as q_i is truly the distribution d_i was drawn from.
+token. The emitted tokens are distributed exactly as sampling from p autoregressively (docs/design.md, "A round
+of speculation"), whatever q is, as long as q_i is truly the distribution d_i was drawn from.
 
 Indexing: drafts are 0-based here, so draft j (= d_{j+1}) is checked against p_j = target_probs[:, j]
 and q_j = draft_probs[:, j].

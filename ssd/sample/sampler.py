@@ -2,7 +2,7 @@
 
 `processed_probs` is the single definition of "the distribution a request samples from". Plain sampling,
 speculative verification (p) and drafting (q) all call it, so temperature, top-k and top-p are applied
-identically everywhere and speculation stays exact (DESIGN.md section 2).
+identically everywhere and speculation stays exact (docs/design.md, "A round of speculation").
 
 Sampling uses inverse-CDF with one float64 uniform per row, drawn from that row's own generator. A seeded
 request therefore reproduces its tokens whatever else is in its batch and wherever it sits in it.

@@ -150,7 +150,7 @@ class SSDProposer:
 
     def _tree_depth(self, request: ProposalRequest) -> int:
         """Drafts per branch of the cache the worker builds during this round: K (so that a hit can serve
-        whatever lookahead the next round chooses), fewer only when the request cannot use K more tokens."""
+        whatever round drafts the next round chooses), fewer only when the request cannot use K more tokens."""
         seq = request.seq
         remaining = seq.sampling_params.max_tokens - seq.num_output_tokens - 1
         return max(request.num_drafts, min(self.K, remaining))

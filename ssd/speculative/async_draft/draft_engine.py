@@ -1,7 +1,7 @@
 """The SSD draft's computation: serve speculations from the cache (or a fallback), then build the next cache.
 
 Runs in the draft worker process (see ``worker.py``), and can run in-process for tests. Terms follow
-DESIGN.md section 3. For each sequence the draft mirrors the committed tokens t_1..t_n (t_n = pending).
+docs/design.md, "SSD". For each sequence the draft mirrors the committed tokens t_1..t_n (t_n = pending).
 After returning the speculation [t_n, e_1..e_K] for a round, :meth:`DraftEngine.build_cache`:
 
 1. *glue*: runs t_n, e_1..e_K through the draft at their own positions (natural slots of the block table),
@@ -113,15 +113,15 @@ class DraftEngine:
             mirror.num_computed_tokens += todo
             self.kv.cache_full_blocks(mirror)
 
-    def expect_first_round(self, lookaheads: dict[int, int]) -> None:
+    def expect_first_round(self, tree_depths: dict[int, int]) -> None:
         """Treat each (just prefilled) sequence's prompt as a verified speculation with no drafts, whose
         bonus is the token the target's prompt step emits on its own: :meth:`build_cache` then prepares the
-        first round's speculations (candidates at k = 0, ``lookaheads[seq_id]`` drafts each), and the first
+        first round's speculations (candidates at k = 0, ``tree_depths[seq_id]`` drafts each), and the first
         request, (k = 0, that token), can hit instead of paying the fallback."""
-        for seq_id, lookahead in lookaheads.items():
+        for seq_id, tree_depth in tree_depths.items():
             state = self.states[seq_id]
             state.speculation = [state.mirror.last_token_id]
-            state.lookahead = lookahead
+            state.tree_depth = tree_depth
             state.num_valid_drafts = 0
             state.copied, state.confidences = [], []
             state.cache = {}
@@ -156,7 +156,7 @@ class DraftEngine:
             state = self.states[row.seq_id]
             state.speculation = [state.mirror.last_token_id] + result.tokens
             state.copied, state.confidences = list(result.copied), []
-            state.lookahead = row.tree_depth
+            state.tree_depth = row.tree_depth
             state.cache = {}
             if result.fallback == Fallback.RANDOM:
                 state.num_valid_drafts = 0
@@ -235,7 +235,7 @@ class DraftEngine:
         states, plans = [], []
         for seq_id, plan in fan_outs.items():
             state = self.states.get(seq_id)
-            if state is not None and state.lookahead > 0:
+            if state is not None and state.tree_depth > 0:
                 states.append(state)
                 plans.append(plan)
         if not states:
@@ -263,7 +263,7 @@ class DraftEngine:
             mirror = state.mirror
             drafts = state.speculation[1:]
             k = len(drafts)
-            self._allocate(mirror, mirror.num_uncomputed_tokens + k + state.lookahead * m)
+            self._allocate(mirror, mirror.num_uncomputed_tokens + k + state.tree_depth * m)
             # t_n always runs again: after a jit round its K/V is already valid, but the fork at k = 0 needs
             # the distribution after it (K+1 logits from K tokens would read another row).
             start = min(mirror.num_computed_tokens, mirror.num_tokens - 1)
@@ -281,17 +281,17 @@ class DraftEngine:
 
     def _tree_decode(self, states: list[DraftSeqState], trees: list[list[Branch]],
                      should_stop: Callable[[], bool] | None = None) -> tuple[int, bool]:
-        """Decode every branch of every sequence's tree up to its lookahead, fewer tokens when ``should_stop``
+        """Decode every branch of every sequence's tree up to its tree depth, fewer tokens when ``should_stop``
         ends the build early or, in a dynamic fan-out (branches with a ``weight``), once ``keeps_drafting``
         says a branch's next token is not worth a row; then cache each branch's drafts under its outcome.
         Returns the number of tree steps run and whether ``should_stop`` ended the build."""
-        depth = max(s.lookahead for s in states)  # tokens per branch
+        depth = max(s.tree_depth for s in states)  # tokens per branch
         steps = 0
         interrupted = False
         for j in range(depth):
             items, owners = [], []
             for i, (state, tree) in enumerate(zip(states, trees)):
-                if j < state.lookahead and any(branch.drafting for branch in tree):
+                if j < state.tree_depth and any(branch.drafting for branch in tree):
                     items.append(tree_item(state, tree, j, len(state.speculation) - 1, self.runner.block_size))
                     owners.append(i)
             if not items:

@@ -23,7 +23,7 @@ class DraftSeqState:
     mirror: Sequence  # committed tokens; num_computed_tokens = tokens whose draft K/V is valid
     generator: torch.Generator
     speculation: list[int] = field(default_factory=list)  # last returned [t_n, e_1..e_n] (n <= K_i)
-    lookahead: int = 0  # tokens each tree branch drafts for the next round (the last request's tree depth)
+    tree_depth: int = 0  # tokens each tree branch drafts for the next round (the last request's)
     num_valid_drafts: int = 0  # leading e_j whose K/V sits in natural slots (glue: all K, jit: K-1)
     copied: list[bool] = field(default_factory=list)  # which of e_1..e_n prompt lookup copied
     # the draft's probability of each of e_1..e_n where a dynamic fork computed them (else empty): checked
@@ -49,11 +49,11 @@ class SpeculateRow:
     num_accepted: int  # k of the round just verified; -1 when there was none (a first round with no cache built
     # after the prefill, or after a reset); 0 for a first round after a first-round build (its prompt's step)
     num_drafts: int  # K_i of this round
-    lookahead: int | None = None  # drafts per branch of the next cache (>= num_drafts); None: num_drafts
+    tree_depth: int | None = None  # drafts per branch of the next cache (>= num_drafts); None: num_drafts
 
-    @property
-    def tree_depth(self) -> int:
-        return self.num_drafts if self.lookahead is None else self.lookahead
+    def __post_init__(self) -> None:
+        if self.tree_depth is None:
+            self.tree_depth = self.num_drafts
 
 
 @dataclass

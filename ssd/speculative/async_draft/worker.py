@@ -215,7 +215,7 @@ class DraftWorker:
         rows = [
             SpeculateRow(int(seq_id), new.tolist(), int(k), int(n), int(depth))
             for seq_id, new, k, n, depth in zip(msg.seq_ids, msg.new_token_lists(), msg.num_accepted,
-                                                msg.num_drafts, msg.lookahead)
+                                                msg.num_drafts, msg.tree_depth)
         ]
         results = self.engine.speculate(rows, msg.fallback)
         reply = speculation_message(msg.round_id, results, self.engine.K, self.engine.dist.target_vocab_size,

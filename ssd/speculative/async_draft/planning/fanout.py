@@ -1,4 +1,4 @@
-"""Fan-out planning for SSD: how many candidate outcomes to prepare per acceptance length (DESIGN.md §3).
+"""Fan-out planning for SSD: how many candidate outcomes to prepare per acceptance length (docs/design.md, "SSD").
 
 While the target verifies a round, the draft prepares the next speculation for F_k likely recovery/bonus
 tokens at each acceptance length k in 0..K. The budget M = sum F_k is the number of tree branches per

@@ -149,8 +149,8 @@ class SpeculateMsg(WireMessage):
     num_accepted is k of the previous round (-1 when there was none or it is unknown; 0 for the first round
     after a prefill with first_round_drafts, whose 'previous round' is the prompt step with no drafts); with
     the last new token (the recovery/bonus token t*) it forms the cache key (k, t*). num_drafts is this round's K_i;
-    lookahead (>= num_drafts) is how many drafts each branch of the cache built during this round prepares,
-    the most the next round may ask for (more than K_i when the target chooses its lookahead per round).
+    tree_depth (>= num_drafts) is how many drafts each branch of the cache built during this round prepares,
+    the most the next round may ask for (more than K_i when the target chooses its round drafts per round).
     """
 
     COMMAND: ClassVar[Command] = Command.SPECULATE
@@ -160,7 +160,7 @@ class SpeculateMsg(WireMessage):
         "new_lengths": (_I64, 1),
         "num_accepted": (_I64, 1),
         "num_drafts": (_I32, 1),
-        "lookahead": (_I32, 1),
+        "tree_depth": (_I32, 1),
     }
 
     round_id: int
@@ -169,7 +169,7 @@ class SpeculateMsg(WireMessage):
     new_lengths: np.ndarray  # [B] int64, sum == N
     num_accepted: np.ndarray  # [B] int64, -1 = no previous round / unknown
     num_drafts: np.ndarray  # [B] int32, K_i
-    lookahead: np.ndarray  # [B] int32, tree depth of the next cache, >= K_i
+    tree_depth: np.ndarray  # [B] int32, drafts per branch of the next cache, >= K_i
     fallback: Fallback = Fallback.JIT  # what serves the rows that miss (JIT or RANDOM), chosen by the client
 
     def _validate(self) -> None:
@@ -178,15 +178,15 @@ class SpeculateMsg(WireMessage):
             raise ProtocolError(f"SpeculateMsg.fallback must be one of {[f.value for f in MISS_FALLBACKS]}, "
                                 f"got {self.fallback!r}")
         self.fallback = Fallback(self.fallback)  # travels as its name
-        per_row = ("new_lengths", "num_accepted", "num_drafts", "lookahead")
+        per_row = ("new_lengths", "num_accepted", "num_drafts", "tree_depth")
         check_rows("SpeculateMsg", self.seq_ids.shape[0], self, per_row)
         check_ragged("SpeculateMsg", "new_token_ids", "new_lengths", self)
         if self.num_accepted.size and self.num_accepted.min() < -1:
             raise ProtocolError("SpeculateMsg.num_accepted must be >= -1 (-1 = no previous round)")
         if self.num_drafts.size and self.num_drafts.min() < 0:
             raise ProtocolError("SpeculateMsg.num_drafts must be >= 0")
-        if (self.lookahead < self.num_drafts).any():
-            raise ProtocolError("SpeculateMsg.lookahead must be >= num_drafts in every row")
+        if (self.tree_depth < self.num_drafts).any():
+            raise ProtocolError("SpeculateMsg.tree_depth must be >= num_drafts in every row")
 
     @classmethod
     def from_lists(
@@ -196,15 +196,15 @@ class SpeculateMsg(WireMessage):
         new_token_ids: Sequence[Sequence[int]],
         num_accepted: Sequence[int],
         num_drafts: Sequence[int],
-        lookahead: Sequence[int] | None = None,
+        tree_depth: Sequence[int] | None = None,
     ) -> SpeculateMsg:
-        """``lookahead`` defaults to ``num_drafts`` (the next cache prepares as many drafts as this round's)."""
+        """``tree_depth`` defaults to ``num_drafts`` (the next cache prepares as many drafts as this round's)."""
         flat, lengths = pack_ragged(new_token_ids)
         return cls(
             round_id=round_id, seq_ids=np.asarray(seq_ids, dtype=np.int64), new_token_ids=flat,
             new_lengths=lengths, num_accepted=np.asarray(num_accepted, dtype=np.int64),
             num_drafts=np.asarray(num_drafts, dtype=np.int32),
-            lookahead=np.asarray(num_drafts if lookahead is None else lookahead, dtype=np.int32),
+            tree_depth=np.asarray(num_drafts if tree_depth is None else tree_depth, dtype=np.int32),
         )
 
     @property
