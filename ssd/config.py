@@ -87,8 +87,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = option(8, "longest match prompt lookup compares", processes=(DRAFT,))
     fan_out: FanOutSpec = option(
         FanOutSpec(FanOutKind.DYNAMIC), "SSD fan-out: dynamic (each sequence's likeliest outcomes), auto "
-        "(geometric), an int, or a comma list F_0..F_K (ssd/speculative/async_draft/planning/fanout.py)", processes=(DRAFT,),
-        parse=FanOutSpec.parse)
+        "(geometric), an int, or a comma list F_0..F_K (ssd/speculative/async_draft/planning/fanout.py)",
+        processes=(DRAFT,), parse=FanOutSpec.parse)
     fan_out_miss: FanOutSpec | None = option(None, "SSD fan-out for rounds after a miss (default: fan_out)",
                                              processes=(DRAFT,), parse=FanOutSpec.parse)
     fan_out_budget: int | None = option(None, "branches per sequence of auto and dynamic fan-outs (default: "
@@ -102,8 +102,9 @@ class SpeculativeConfig:
                               processes=(DRAFT,))
     interruptible_build: bool = option(
         True, "SSD: the draft stops building its speculation cache when the target's next request arrives or "
-        "is due, each branch keeping the tokens drafted so far (ssd/speculative/async_draft/planning/build_clock.py); off: builds "
-        "always reach K", processes=(DRAFT,), off_flags=("--full-builds",))
+        "is due, each branch keeping the tokens drafted so far "
+        "(ssd/speculative/async_draft/planning/build_clock.py); off: builds always reach K", processes=(DRAFT,),
+        off_flags=("--full-builds",))
     draft_device: str | None = option(None, "the draft's device (default: the target's)", processes=(DRAFT,))
     draft_threads: int | None = option(None, "torch threads of the draft (default: its cores)", processes=(DRAFT,))
     draft_timeout_s: float = option(60.0, "SSD: a draft worker silent this long is given up (decoding goes "

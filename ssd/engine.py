@@ -222,7 +222,7 @@ class LLMEngine:
         """The scheduler's plan: round drafts of every sequence it may run this step (``RoundPlanner``)."""
         if self.rounds is None:
             return {}
-        return self.rounds.plan(self.scheduler.running, self.scheduler.waiting,
+        return self.rounds.plan(self.scheduler.running, self.scheduler.candidates(),
                                 lambda seq: self._speculates(self.requests[seq.seq_id]))
 
     def _speculates(self, request: Request) -> bool:

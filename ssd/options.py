@@ -136,7 +136,8 @@ class FanOutKind(_Choice):
 @dataclass(frozen=True)
 class FanOutSpec:
     """An SSD fan-out as the user gave it: ``uniform`` F >= 1, ``per_k`` F_0..F_K (ints >= 0, one > 0),
-    ``auto`` or ``dynamic`` (``ssd/speculative/async_draft/planning/fanout.py`` turns it into a policy for a lookahead K)."""
+    ``auto`` or ``dynamic`` (``ssd/speculative/async_draft/planning/fanout.py`` turns it into a policy for a
+    lookahead K)."""
 
     kind: FanOutKind
     values: tuple[int, ...] = ()

@@ -238,6 +238,16 @@ def test_lookahead_only_for_chunks_that_finish_the_sequence():
     assert a.block_table == [0, 1]  # positions 0..7
 
 
+def test_candidates_are_the_running_then_the_waiting_that_admission_could_reach():
+    _, _, sched = make(32, max_num_seqs=2)
+    for i in range(1, 5):
+        sched.add(seq_of(i, 2))
+    assert [s.seq_id for s in sched.candidates()] == [1, 2]  # nothing running: room for two
+    step(sched)
+    sched.add(seq_of(5, 2))
+    assert [s.seq_id for s in sched.candidates()] == [1, 2]  # full: no waiting one can be admitted
+
+
 def test_lookahead_plan_and_caps():
     _, _, sched = make(32, budget=10)
     sched.add(seq_of(1, 3))

@@ -59,7 +59,8 @@ def test_only_the_front_ends_import_the_engine():
 
 def test_the_engine_reads_proposers_only_through_their_interface():
     graph = _import_graph_module().import_graph(ROOT, type_checking=True)
-    methods = ("ssd.speculative.async_draft", "ssd.speculative.draft_proposer", "ssd.speculative.ngram_proposer", "ssd.speculative.drafting")
+    methods = ("ssd.speculative.async_draft", "ssd.speculative.draft_proposer", "ssd.speculative.ngram_proposer",
+               "ssd.speculative.drafting")
     for module in ("ssd.engine", "ssd.step"):
         assert [m for m in graph[module] if m.startswith(methods)] == [], module
 

@@ -22,6 +22,7 @@ the scheduler only caps it (token budget, ``max_model_len``).
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 from collections import deque
 from collections.abc import Mapping
@@ -113,6 +114,12 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
+
+    def candidates(self) -> list[Sequence]:
+        """The sequences the next step may run: every running one, then the waiting ones that admission could
+        reach (at most ``max_num_seqs`` in all), so a plan for them never walks a long queue."""
+        room = max(0, self.config.max_num_seqs - len(self.running))
+        return [*self.running, *itertools.islice(self.waiting, room)]
 
     def add(self, seq: Sequence) -> None:
         if seq.seq_id in self._seqs:

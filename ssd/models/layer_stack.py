@@ -36,9 +36,8 @@ class LayerStack:
 
     def __init__(self, model: "DecoderLM") -> None:
         attn = model.layers[0].self_attn
-        self.eps = model.norm.eps
-        self._stack = cpu_kernels().LayerStack(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, self.eps,
-                                               model.norm.weight)
+        self._stack = cpu_kernels().LayerStack(attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+                                               model.norm.eps, model.norm.weight)
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             self._stack.add_layer(

@@ -29,21 +29,20 @@ class DraftDistribution:
         self.target_vocab_size = target_vocab_size
         self.num_usable_tokens = num_usable_tokens
         self._scatter = None  # reduced draft vocabulary: (draft ids with a target id, their target ids)
-        self._by_target_id = None  # (usable draft ids in ascending target-id order, those target ids)
+        # the usable target ids in ascending order, and the draft's columns holding them (a slice where they are
+        # its first columns in order, as in a reduced vocabulary built from target ids in ascending order: a
+        # view, no copy); None: column index == target id
+        self._target_ids: torch.Tensor | None = None
+        self._columns: slice | torch.Tensor | None = None
         if draft_to_target is not None:
             known = draft_to_target >= 0
             self._scatter = (torch.nonzero(known).squeeze(1), draft_to_target[known])
             draft_ids, target_ids = self._scatter
             usable = target_ids < num_usable_tokens
             order = torch.argsort(target_ids[usable])
-            self._by_target_id = (draft_ids[usable][order], target_ids[usable][order])
-        # the draft's columns in ascending target-id order: a slice (a view, no copy) where they are its first
-        # columns in order, as in a reduced vocabulary built from target ids in ascending order
-        self._columns: slice | torch.Tensor | None = None
-        if self._by_target_id is not None:
-            draft_ids = self._by_target_id[0]
-            in_order = torch.equal(draft_ids, torch.arange(len(draft_ids), device=draft_ids.device))
-            self._columns = slice(0, len(draft_ids)) if in_order else draft_ids
+            columns, self._target_ids = draft_ids[usable][order], target_ids[usable][order]
+            in_order = torch.equal(columns, torch.arange(len(columns), device=columns.device))
+            self._columns = slice(0, len(columns)) if in_order else columns
 
     def masked_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits ``[N, Vd]`` -> ``[N, V]`` over target ids, -inf where the draft cannot propose."""
@@ -75,17 +74,17 @@ class DraftDistribution:
     def greedy_tokens(self, logits: torch.Tensor) -> torch.Tensor:
         """``argmax(masked_logits(logits))`` as target ids ``[N]`` (lowest target id on ties), computed on the
         draft's own columns: no ``[N, V]`` row over the target vocabulary is built."""
-        if self._by_target_id is None:  # column index == target id
+        if self._target_ids is None:  # column index == target id
             return logits[:, : self.num_usable_tokens].argmax(dim=-1)  # [N]
-        return self._by_target_id[1][logits[:, self._columns].argmax(dim=-1)]  # [N]
+        return self._target_ids[logits[:, self._columns].argmax(dim=-1)]  # [N]
 
     def top_tokens(self, logits: torch.Tensor, n: int) -> torch.Tensor:
         """The ``n`` (at most the number of proposable ids) likeliest proposable target ids per row, most
         likely first: ``[N, n]``, on the draft's own columns like :meth:`greedy_tokens`."""
-        if self._by_target_id is None:
+        if self._target_ids is None:
             usable = logits[:, : self.num_usable_tokens]  # [N, U]
             return torch.topk(usable, min(n, usable.shape[-1]), dim=-1).indices  # [N, n]
-        target_ids = self._by_target_id[1]
+        target_ids = self._target_ids
         return target_ids[torch.topk(logits[:, self._columns], min(n, len(target_ids)), dim=-1).indices]  # [N, n]
 
     def token_probs(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -93,11 +92,11 @@ class DraftDistribution:
         ``logits [N, Vd]``: ``[N, m]``, 0 for ids the draft cannot propose. Computed on the draft's own
         columns like :meth:`greedy_tokens`."""
         tokens = tokens.long()
-        if self._by_target_id is None:
+        if self._target_ids is None:
             usable = logits[:, : self.num_usable_tokens].float()  # [N, U]
             columns, known = tokens.clamp(0, usable.shape[-1] - 1), tokens < usable.shape[-1]
         else:
-            target_ids = self._by_target_id[1]
+            target_ids = self._target_ids
             usable = logits[:, self._columns].float()  # [N, U], columns in ascending target-id order
             columns = torch.searchsorted(target_ids, tokens).clamp(max=len(target_ids) - 1)  # [N, m]
             known = target_ids[columns] == tokens

@@ -28,11 +28,12 @@ class RoundPlanner:
         self.policy = lookahead_policy(spec)  # None: K is fixed
         self._step_k: int | None = None  # this step's K under the policy, chosen on first use
 
-    def plan(self, running: "list[Sequence]", waiting: "Iterable[Sequence]",
+    def plan(self, running: "list[Sequence]", candidates: "Iterable[Sequence]",
              speculates: "Callable[[Sequence], bool]") -> dict[int, int]:
-        """Round drafts of every sequence the scheduler may run this step (``running``, then ``waiting``)."""
+        """Round drafts of the sequences the scheduler may run this step (``candidates``; ``running``, the
+        decoding batch the adaptive policy chooses for, is among them)."""
         self._step_k = None
-        return {seq.seq_id: self._round_drafts(seq, running, speculates) for seq in (*running, *waiting)}
+        return {seq.seq_id: self._round_drafts(seq, running, speculates) for seq in candidates}
 
     def _round_drafts(self, seq: "Sequence", running: "list[Sequence]",
                       speculates: "Callable[[Sequence], bool]") -> int:

@@ -1,10 +1,10 @@
 """Typed messages of the wire protocol between the target-side SSD client and the draft worker process.
 
 Each message is a dataclass whose array fields (named in ``ARRAYS`` with dtype and rank) travel as raw arrays
-and whose other fields travel as scalars of one :mod:`frame <ssd.speculative.async_draft.wire.frames>`. Messages validate shapes
-and dtypes on construction and on decoding, so a malformed message fails here with a `ProtocolError`
-instead of deep inside the worker. The small arrays of a decoded message are copies (callers own writable
-arrays that never alias a reused receive buffer); only those named in a class's ZERO_COPY
+and whose other fields travel as scalars of one :mod:`frame <ssd.speculative.async_draft.wire.frames>`.
+Messages validate shapes and dtypes on construction and on decoding, so a malformed message fails here with a
+`ProtocolError` instead of deep inside the worker. The small arrays of a decoded message are copies (callers own
+writable arrays that never alias a reused receive buffer); only those named in a class's ZERO_COPY
 (SpeculationMsg.probs) stay views, and `SpeculationMsg.dense_probs()` returns a fresh array.
 """
 
@@ -19,7 +19,7 @@ from typing import ClassVar, Union
 import numpy as np
 
 from ssd.options import Fallback
-from ssd.speculative.async_draft.wire.frames import (  # noqa: F401 - re-exported: the protocol's public names live here
+from ssd.speculative.async_draft.wire.frames import (  # noqa: F401 - re-exported: the protocol's names
     PROTOCOL_VERSION,
     Command,
     Frame,
@@ -29,7 +29,7 @@ from ssd.speculative.async_draft.wire.frames import (  # noqa: F401 - re-exporte
     decode_frame,
     encode_frame,
 )
-from ssd.speculative.async_draft.wire.message_base import (  # noqa: F401 - pack/split_ragged, scatter_prob_rows: this module's API
+from ssd.speculative.async_draft.wire.message_base import (  # noqa: F401 - re-exported: this module's API
     WireMessage,
     check_float,
     check_int,
