@@ -19,7 +19,7 @@ from ssd.options import (
     Dtype,
     Fallback,
     FanOutKind,
-    FanOutSpec,
+    FanOutChoice,
     FillerPadding,
     LookupConfig,
     Process,
@@ -62,10 +62,10 @@ class SpeculativeConfig:
         "lookup alone, no draft model)", cli_default=SpecMethod.SSD)
     model: str | None = option(None, "draft checkpoint folder; enables speculation", processes=(DRAFT,),
                                flags=("--draft",))
-    num_speculative_tokens: int = option(4, "draft tokens per round (lookahead K)", processes=(DRAFT,),
-                                         flags=("--k", "--num-speculative-tokens"))
+    num_speculative_tokens: int = option(4, "K: the most draft tokens a round verifies per sequence",
+                                         processes=(DRAFT,), flags=("--k", "--num-speculative-tokens"))
     adaptive_lookahead: AdaptiveMode = option(
-        AdaptiveMode.AUTO, "choose each round's K in 0..K from measured acceptance and step times (SSD still "
+        AdaptiveMode.AUTO, "choose each round's drafts in 0..K from measured acceptance and step times (SSD still "
         "builds its cache K deep): on, off (always K), or auto (on; for SSD from two decoding sequences, see "
         "ssd/speculative/lookahead.py: auto_min_batch_size)", const=AdaptiveMode.ON.value)
     prompt_step_speculation: bool = option(
@@ -85,12 +85,12 @@ class SpeculativeConfig:
         "there is one (ssd/speculative/lookup.py; SD and SSD)", processes=(DRAFT,))
     prompt_lookup_min: int = option(2, "shortest context match prompt lookup copies after", processes=(DRAFT,))
     prompt_lookup_max: int = option(8, "longest match prompt lookup compares", processes=(DRAFT,))
-    fan_out: FanOutSpec = option(
-        FanOutSpec(FanOutKind.DYNAMIC), "SSD fan-out: dynamic (each sequence's likeliest outcomes), auto "
+    fan_out: FanOutChoice = option(
+        FanOutChoice(FanOutKind.DYNAMIC), "SSD fan-out: dynamic (each sequence's likeliest outcomes), auto "
         "(geometric), an int, or a comma list F_0..F_K (ssd/speculative/async_draft/planning/fanout.py)",
-        processes=(DRAFT,), parse=FanOutSpec.parse)
-    fan_out_miss: FanOutSpec | None = option(None, "SSD fan-out for rounds after a miss (default: fan_out)",
-                                             processes=(DRAFT,), parse=FanOutSpec.parse)
+        processes=(DRAFT,), parse=FanOutChoice.parse)
+    fan_out_miss: FanOutChoice | None = option(None, "SSD fan-out for rounds after a miss (default: fan_out)",
+                                             processes=(DRAFT,), parse=FanOutChoice.parse)
     fan_out_budget: int | None = option(None, "branches per sequence of auto and dynamic fan-outs (default: "
                                               "adapted so the draft keeps up)", processes=(DRAFT,))
     fallback: Fallback = option(Fallback.AUTO, "SSD, on a cache miss: jit, random, or auto (the faster one as "
@@ -136,17 +136,17 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {K!r}")
         self.adaptive_lookahead = AdaptiveMode.parse(self.adaptive_lookahead)
         _check_bool(self, "prompt_step_speculation", "prompt_lookup", "interruptible_build")
-        self.fan_out = FanOutSpec.parse(self.fan_out)
+        self.fan_out = FanOutChoice.parse(self.fan_out)
         if self.fan_out_miss is not None:
-            self.fan_out_miss = FanOutSpec.parse(self.fan_out_miss)
-        for spec in self.fan_outs:
-            if not spec.adjustable:
-                spec.per_k(K)  # a list's length must be K + 1
+            self.fan_out_miss = FanOutChoice.parse(self.fan_out_miss)
+        for fan_out in self.fan_outs:
+            if not fan_out.adjustable:
+                fan_out.per_k(K)  # a list's length must be K + 1
         if self.fan_out_budget is not None:
             if not is_int(self.fan_out_budget) or self.fan_out_budget < 1:
                 raise ValueError(f"fan_out_budget must be an integer >= 1 (branches per sequence), got "
                                  f"{self.fan_out_budget!r}")
-            if not any(spec.adjustable for spec in self.fan_outs):
+            if not any(f.adjustable for f in self.fan_outs):
                 raise ValueError("fan_out_budget only applies to a fan_out or fan_out_miss of 'auto' or 'dynamic'")
         _ = self.lookup  # validates prompt_lookup_min / prompt_lookup_max
         self.fallback = Fallback.parse(self.fallback, "fallback")
@@ -167,7 +167,7 @@ class SpeculativeConfig:
         return LookupConfig(bool(self.prompt_lookup), self.prompt_lookup_min, self.prompt_lookup_max)
 
     @property
-    def fan_outs(self) -> tuple[FanOutSpec, FanOutSpec]:
+    def fan_outs(self) -> tuple[FanOutChoice, FanOutChoice]:
         """The fan-outs of cache builds after a hit and after a miss."""
         return self.fan_out, self.fan_out_miss or self.fan_out
 

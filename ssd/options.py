@@ -7,7 +7,7 @@ here, never the other way round.
 - Enumerations for the options with a fixed set of values (:class:`SpecMethod`, :class:`Fallback`,
   :class:`FillerPadding`, :class:`WeightFormat`, :class:`AdaptiveMode`, :class:`Dtype`). They are ``str``
   enums, so ``WeightFormat.DENSE == "dense"`` and a user may pass either spelling.
-- :class:`FanOutSpec`, the SSD fan-out as a tagged value, parsed once where it enters (a dict, a flag).
+- :class:`FanOutChoice`, the SSD fan-out as a tagged value, parsed once where it enters (a dict, a flag).
 - :class:`LookupConfig`, prompt lookup's three settings as one record.
 - :func:`option`: a dataclass field declared with its help text, the processes that read it and its command
   line spelling. The configuration dataclasses (``ssd/config.py``) declare every field this way, so one
@@ -134,10 +134,10 @@ class FanOutKind(_Choice):
 
 
 @dataclass(frozen=True)
-class FanOutSpec:
+class FanOutChoice:
     """An SSD fan-out as the user gave it: ``uniform`` F >= 1, ``per_k`` F_0..F_K (ints >= 0, one > 0),
     ``auto`` or ``dynamic`` (``ssd/speculative/async_draft/planning/fanout.py`` turns it into a policy for a
-    lookahead K)."""
+    given K)."""
 
     kind: FanOutKind
     values: tuple[int, ...] = ()
@@ -160,10 +160,10 @@ class FanOutSpec:
             raise ValueError(f"fan_out {self.kind.value!r} takes no values, got {list(self.values)}")
 
     @classmethod
-    def parse(cls, value: "FanOutSpec | int | Sequence[int] | str") -> "FanOutSpec":
-        """The spec for a user's value: an int, a list, ``"auto"``, ``"dynamic"``, or their command line
+    def parse(cls, value: "FanOutChoice | int | Sequence[int] | str") -> "FanOutChoice":
+        """The choice for a user's value: an int, a list, ``"auto"``, ``"dynamic"``, or their command line
         spellings ``"3"`` and ``"4,2,1,1,0"``."""
-        if isinstance(value, FanOutSpec):
+        if isinstance(value, FanOutChoice):
             return value
         if isinstance(value, str):
             text = value.strip().lower()
@@ -182,11 +182,11 @@ class FanOutSpec:
 
     @property
     def adjustable(self) -> bool:
-        """Whether the spec takes a branch budget (``auto`` and ``dynamic``); fixed ones are their own sum."""
+        """Whether the choice takes a branch budget (``auto`` and ``dynamic``); fixed ones are their own sum."""
         return self.kind in (FanOutKind.AUTO, FanOutKind.DYNAMIC)
 
     def per_k(self, K: int) -> list[int]:
-        """F_0..F_K of a fixed spec for lookahead K."""
+        """F_0..F_K of a fixed choice for K."""
         if self.kind is FanOutKind.UNIFORM:
             return [self.values[0]] * (K + 1)
         if self.kind is FanOutKind.PER_K:

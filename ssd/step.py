@@ -127,16 +127,16 @@ class StepExecutor:
         return result
 
     def _verify(self, result, spec_seqs, proposal: Proposal, logits, probs, contexts) -> None:
-        max_k = max(proposal.num_drafts[row] for _, _, row in spec_seqs)
+        max_drafts = max(proposal.num_drafts[row] for _, _, row in spec_seqs)
         vocab = probs.shape[-1]
-        target_probs = probs.new_zeros(len(spec_seqs), max_k + 1, vocab)  # [B, K+1, V]
+        target_probs = probs.new_zeros(len(spec_seqs), max_drafts + 1, vocab)  # [B, K+1, V]
         for i, (_, first, row) in enumerate(spec_seqs):
             k = proposal.num_drafts[row]
             target_probs[i, : k + 1] = probs[first : first + k + 1]
         # The proposal lives where its proposer made it (the draft's device, or the host for SSD's replies).
         proposal_rows = [row for _, _, row in spec_seqs]
-        draft_probs = proposal.draft_probs[_index(proposal_rows, proposal.draft_probs), :max_k]  # [B, K, V]
-        draft_tokens = proposal.draft_tokens[_index(proposal_rows, proposal.draft_tokens), :max_k]  # [B, K]
+        draft_probs = proposal.draft_probs[_index(proposal_rows, proposal.draft_probs), :max_drafts]  # [B, K, V]
+        draft_tokens = proposal.draft_tokens[_index(proposal_rows, proposal.draft_tokens), :max_drafts]  # [B, K]
         seqs = [seq for seq, _, _ in spec_seqs]
         greedy = torch.tensor([seq.sampling_params.is_greedy for seq in seqs], device=probs.device)
         outcome = verify(

@@ -100,13 +100,13 @@ def _policy_with_line(acceptance: float, alpha: float = 0.030, beta: float = 0.0
 
 
 def test_best_k_maximises_tokens_per_second():
-    # c = 0.9 at every depth: E(K)/t(K) grows with K up to K_max = 4 at these costs
+    # c = 0.9 at every depth: E(K)/t(K) grows with K up to K = 4 at these costs
     assert _policy_with_line(0.9).best([0]) == 4
     # a draft that is never right: speculation only costs, plain decoding wins
     assert _policy_with_line(0.0).best([0]) == 0
     # c = 0.4: E = 1, 1.4, 1.56, 1.624, 1.65 over t = 30, 40, 50, 60, 70 ms: K = 1 (0.0350 vs 0.0333 at K = 0)
     assert _policy_with_line(0.4).best([0]) == 1
-    # a batch sums the sequences' expected tokens; the line of another batch size is unknown: K_max
+    # a batch sums the sequences' expected tokens; the line of another batch size is unknown: K
     assert _policy_with_line(0.4).best([0, 1]) == 4
 
 
@@ -146,7 +146,7 @@ def test_a_new_best_k_brings_exploration_back_to_every_eighth_step():
 
 
 def test_validation():
-    with pytest.raises(ValueError, match="max_k"):
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
         LookaheadPolicy(0)
     with pytest.raises(ValueError, match="time_decay"):
         LookaheadPolicy(2, time_decay=0.0)

@@ -60,8 +60,8 @@ def update(kv: KVCacheManager, out: SchedulerOutput) -> None:
         kv.trim(seq)
 
 
-def step(sched: Scheduler, lookahead=0) -> SchedulerOutput:
-    out = sched.schedule(lookahead)
+def step(sched: Scheduler, num_drafts=0) -> SchedulerOutput:
+    out = sched.schedule(num_drafts)
     update(sched.kv, out)
     return out
 
@@ -168,7 +168,7 @@ def test_preemption_latest_first_readmitted_first_with_prefix_reuse():
     assert (a.num_tokens, b.num_tokens, c.num_tokens) == (5, 4, 4)
 
     # A verifies 1 + 5 tokens: positions 4..9 need 3 more blocks, none are free.
-    out = sched.schedule(lookahead=5)
+    out = sched.schedule(num_drafts=5)
     assert plan(out) == [(1, 1, 5)] and out.num_batched_tokens == 6
     assert [s.seq_id for s in out.preempted] == [3, 2]  # latest arrival first
     assert [s.seq_id for s in sched.waiting] == [2, 3]  # and requeued at the front, in arrival order
@@ -220,7 +220,7 @@ def test_no_admission_in_a_step_that_preempted():
     sched.add(c)
     assert plan(step(sched)) == [(1, 4, 0), (2, 12, 0)]
     assert (a.block_table, c.block_table, pool.free_block_ids()) == ([0], [1, 2, 3], [4])
-    out = sched.schedule(lookahead=7)  # A needs 2 more blocks: C is preempted
+    out = sched.schedule(num_drafts=7)  # A needs 2 more blocks: C is preempted
     assert plan(out) == [(1, 1, 7)] and out.preempted == [c]
     # A chunk of C would fit in the 2 blocks left, but admitting right after a preemption would thrash.
     assert pool.num_free_blocks == 2 and list(sched.waiting) == [c]
@@ -232,7 +232,7 @@ def test_lookahead_only_for_chunks_that_finish_the_sequence():
     sched.add(a)
     assert plan(step(sched)) == [(1, 3, 0)]
     sched.add(seq_of(2, 20))
-    out = sched.schedule(lookahead=4)
+    out = sched.schedule(num_drafts=4)
     assert plan(out) == [(1, 1, 4), (2, 5, 0)] and out.num_batched_tokens == 10
     assert [s.computes_all_tokens for s in out.scheduled] == [True, False]
     assert a.block_table == [0, 1]  # positions 0..7
@@ -271,9 +271,9 @@ def test_lookahead_plan_and_caps():
 
     _, _, sched = make(32)
     sched.add(seq_of(1, 2))
-    with pytest.raises(ValueError, match="lookahead"):
+    with pytest.raises(ValueError, match="num_drafts"):
         sched.schedule(-1)
-    with pytest.raises(ValueError, match="lookahead must be a non-negative integer for sequence 1, got 1.5"):
+    with pytest.raises(ValueError, match="num_drafts must be a non-negative integer for sequence 1, got 1.5"):
         sched.schedule({1: 1.5})
 
 
@@ -320,7 +320,7 @@ def test_sequence_that_can_never_fit_raises():
     _, _, sched = make(2, block_size=2)
     sched.add(seq_of(1, 4))
     with pytest.raises(SequenceTooLongError, match="whole pool"):
-        sched.schedule(lookahead=1)  # fits alone, but not with a lookahead slot
+        sched.schedule(num_drafts=1)  # fits alone, but not with a lookahead slot
 
 
 # ---------------------------------------------------------------------- simulated engine

@@ -20,12 +20,12 @@ from ssd.speculative.async_draft.planning.fanout import (
     max_fan_out_budget,
     per_k_counts,
 )
-from ssd.options import FanOutSpec
+from ssd.options import FanOutChoice
 
 
 def parse_fan_out(spec, K, budget=None, estimator=None):
     """The policy of a user's fan-out value, parsed as the configuration parses it."""
-    return fan_out_policy(FanOutSpec.parse(spec), K, budget, estimator)
+    return fan_out_policy(FanOutChoice.parse(spec), K, budget, estimator)
 
 # ------------------------------------------------------------------------------------------------
 # geometric allocation
@@ -105,8 +105,8 @@ def test_largest_remainder_exact_and_ties():
         (dict(a=float("nan"), r=1.0, K=2, budget=4), "acceptance rate"),
         (dict(a=0.5, r=-0.5, K=2, budget=4), "miss exponent"),
         (dict(a=0.5, r=math.inf, K=2, budget=4), "miss exponent"),
-        (dict(a=0.5, r=1.0, K=0, budget=4), "lookahead"),
-        (dict(a=0.5, r=1.0, K=True, budget=4), "lookahead"),
+        (dict(a=0.5, r=1.0, K=0, budget=4), "K must be"),
+        (dict(a=0.5, r=1.0, K=True, budget=4), "K must be"),
         (dict(a=0.5, r=1.0, K=2, budget=0), "budget"),
         (dict(a=0.5, r=1.0, K=2, budget=2.0), "budget"),
     ],
@@ -167,8 +167,8 @@ def test_parse_auto_and_default_budget():
         ([1.0, 1, 1, 1], 3, None, "integers >= 0"),
         ([1, 1, True, 1], 3, None, "integers >= 0"),
         ("auto", 3, 0, "budget"),
-        ("auto", 0, None, "lookahead"),
-        (2, 0, None, "lookahead"),
+        ("auto", 0, None, "K must be"),
+        (2, 0, None, "K must be"),
     ],
 )
 def test_parse_errors(spec, K, budget, match):
@@ -181,7 +181,7 @@ def test_fan_out_dataclass():
     assert fan.K == 2 and fan.budget == 4 and fan.as_list() == [3, 1, 0]
     with pytest.raises(ValueError, match="K \\+ 1 >= 2"):
         FanOut((3,))
-    with pytest.raises(ValueError, match="lookahead is K = 3"):
+    with pytest.raises(ValueError, match=r"F_0..F_2 but K = 3"):
         FanOutPolicy(3, fixed=fan)
     with pytest.raises(ValueError, match="disagrees with the fixed fan-out"):
         FanOutPolicy(2, fixed=fan, budget=5)
@@ -356,13 +356,13 @@ def test_budget_controller_validation():
 
 
 def test_max_fan_out_budget():
-    assert max_fan_out_budget(FanOutSpec.parse("4,2,1,1,0"), K=4, budget=None) == 8
-    assert max_fan_out_budget(FanOutSpec.parse(3), K=4, budget=None) == 15
-    assert max_fan_out_budget(FanOutSpec.parse("auto"), K=4, budget=None) == BudgetController.max_budget(4) == 30
-    assert max_fan_out_budget(FanOutSpec.parse("auto"), K=4, budget=40) == 40
-    assert max_fan_out_budget(FanOutSpec.parse("dynamic"), K=4, budget=None) == 30
-    assert max_fan_out_budget(FanOutSpec.parse("dynamic"), K=4, budget=7) == 7
-    assert max_fan_out_budget(FanOutSpec.parse(2), K=4, budget=40) == 10  # a fixed spec ignores the auto budget
+    assert max_fan_out_budget(FanOutChoice.parse("4,2,1,1,0"), K=4, budget=None) == 8
+    assert max_fan_out_budget(FanOutChoice.parse(3), K=4, budget=None) == 15
+    assert max_fan_out_budget(FanOutChoice.parse("auto"), K=4, budget=None) == BudgetController.max_budget(4) == 30
+    assert max_fan_out_budget(FanOutChoice.parse("auto"), K=4, budget=40) == 40
+    assert max_fan_out_budget(FanOutChoice.parse("dynamic"), K=4, budget=None) == 30
+    assert max_fan_out_budget(FanOutChoice.parse("dynamic"), K=4, budget=7) == 7
+    assert max_fan_out_budget(FanOutChoice.parse(2), K=4, budget=40) == 10  # a fixed spec ignores the auto budget
 
 
 # ------------------------------------------------------------------------------------------------

@@ -13,10 +13,10 @@ Prefill, chunked prefill, recompute after preemption and decode are one operatio
    first.
 
 Speculative decoding asks for *lookahead* slots: a sequence whose chunk computes all its uncomputed tokens
-(the decode phase) also gets KV slots for up to K draft tokens after its last token. Lookahead tokens are run
-through the target in the verify pass, so they count against the token budget. K comes as one number for every
-sequence, or as a plan ``{seq_id: K}`` the engine computes before scheduling (sequences it omits get none);
-the scheduler only caps it (token budget, ``max_model_len``).
+(the decode phase) also gets KV slots for its round drafts (up to K) after its last token. Lookahead tokens
+are run through the target in the verify pass, so they count against the token budget. The round drafts come
+as one number for every sequence, or as a plan ``{seq_id: round drafts}`` the engine computes before scheduling
+(sequences it omits get none); the scheduler only caps them (token budget, ``max_model_len``).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from ssd.core.sequence import FinishReason, Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
-Lookahead = int | Mapping[int, int]
-"""K for every sequence, or per sequence id (a missing id: 0)."""
+DraftPlan = int | Mapping[int, int]
+"""Round drafts for every sequence, or per sequence id (a missing id: 0)."""
 
 
 @dataclass
@@ -160,13 +160,13 @@ class Scheduler:
         return seq
 
     # ------------------------------------------------------------------ scheduling
-    def schedule(self, lookahead: Lookahead = 0) -> SchedulerOutput:
-        """Plan one step. ``lookahead`` is K, or each sequence's K by id (see :data:`Lookahead`)."""
-        if isinstance(lookahead, Mapping):
-            for seq_id, k in lookahead.items():
-                self._check_lookahead(k, seq_id)
+    def schedule(self, num_drafts: DraftPlan = 0) -> SchedulerOutput:
+        """Plan one step. ``num_drafts``: the round drafts of every sequence, or of each by id (:data:`DraftPlan`)."""
+        if isinstance(num_drafts, Mapping):
+            for seq_id, k in num_drafts.items():
+                self._check_num_drafts(k, seq_id)
         else:
-            self._check_lookahead(lookahead, None)
+            self._check_num_drafts(num_drafts, None)
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
@@ -179,7 +179,7 @@ class Scheduler:
                 i += 1
                 continue
             computes_all = num_new == seq.num_uncomputed_tokens
-            num_la = self._lookahead(seq, lookahead, computes_all, budget - num_new)
+            num_la = self._lookahead_slots(seq, num_drafts, computes_all, budget - num_new)
             while not self.kv.can_allocate(seq, num_new, num_la):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -202,7 +202,7 @@ class Scheduler:
             if num_new < num_remaining and not self.config.enable_chunked_prefill:
                 break
             computes_all = num_new == num_remaining
-            num_la = self._lookahead(seq, lookahead, computes_all, budget - num_new)
+            num_la = self._lookahead_slots(seq, num_drafts, computes_all, budget - num_new)
             if not self.kv.can_admit(seq, num_new, num_la):
                 if not self.running and self.kv.num_free_blocks == self.kv.num_total_blocks:
                     raise SequenceTooLongError(
@@ -224,18 +224,18 @@ class Scheduler:
         return out
 
     # ------------------------------------------------------------------ internals
-    def _lookahead(self, seq: Sequence, lookahead: Lookahead, computes_all: bool, budget_left: int) -> int:
-        """K for this sequence, capped by the token budget and by max_model_len (draft positions count)."""
+    def _lookahead_slots(self, seq: Sequence, num_drafts: DraftPlan, computes_all: bool, budget_left: int) -> int:
+        """This sequence's round drafts, capped by the token budget and by max_model_len (draft positions count)."""
         if not computes_all:
             return 0
-        k = lookahead.get(seq.seq_id, 0) if isinstance(lookahead, Mapping) else lookahead
+        k = num_drafts.get(seq.seq_id, 0) if isinstance(num_drafts, Mapping) else num_drafts
         return max(0, min(k, budget_left, self.config.max_model_len - seq.num_tokens))
 
     @staticmethod
-    def _check_lookahead(k: object, seq_id: int | None) -> None:
+    def _check_num_drafts(k: object, seq_id: int | None) -> None:
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             where = "" if seq_id is None else f" for sequence {seq_id}"
-            raise ValueError(f"lookahead must be a non-negative integer{where}, got {k!r}")
+            raise ValueError(f"num_drafts must be a non-negative integer{where}, got {k!r}")
 
     def _allocate(self, seq: Sequence, num_new: int, num_la: int) -> None:
         if not self.kv.allocate_slots(seq, num_new, num_la):

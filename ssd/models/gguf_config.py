@@ -13,11 +13,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ssd.models.gguf_metadata import ArchSpec, GGUFMetadata
+from ssd.models.gguf_metadata import GGUFArch, GGUFMetadata
 from ssd.models.gguf_tensors import ConversionPlan
 
 
-def build_config(meta: GGUFMetadata, spec: ArchSpec, plan: ConversionPlan, dtype: torch.dtype) -> dict[str, Any]:
+def build_config(meta: GGUFMetadata, arch: GGUFArch, plan: ConversionPlan, dtype: torch.dtype) -> dict[str, Any]:
     n_heads = int(meta.arch_required("attention.head_count"))
     hidden = int(meta.arch_required("embedding_length"))
     rope_dim = meta.arch("rope.dimension_count")
@@ -29,8 +29,8 @@ def build_config(meta: GGUFMetadata, spec: ArchSpec, plan: ConversionPlan, dtype
     if tokens is not None and len(tokens) > plan.vocab_rows:
         raise ValueError(f"GGUF tokenizer has {len(tokens)} tokens but the embedding only {plan.vocab_rows} rows")
     config: dict[str, Any] = {
-        "architectures": [spec.hf_class],
-        "model_type": spec.model_type,
+        "architectures": [arch.hf_class],
+        "model_type": arch.model_type,
         "vocab_size": plan.vocab_rows,
         "hidden_size": hidden,
         "intermediate_size": int(meta.arch_required("feed_forward_length")),
@@ -52,11 +52,11 @@ def build_config(meta: GGUFMetadata, spec: ArchSpec, plan: ConversionPlan, dtype
         "use_cache": True,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
-    if spec.model_type == "llama":
+    if arch.model_type == "llama":
         config |= {"attention_bias": plan.has_qkv_bias, "mlp_bias": False, "pretraining_tp": 1}
-    elif spec.model_type == "qwen2":
+    elif arch.model_type == "qwen2":
         config |= {"use_sliding_window": False, "sliding_window": None}
-    elif spec.model_type == "qwen3":
+    elif arch.model_type == "qwen3":
         config |= {"attention_bias": False, "use_sliding_window": False, "sliding_window": None}
     return config
 

@@ -32,7 +32,7 @@ import torch
 
 from ssd.models.block_quant import STORED_BLOCKS_METHOD
 from ssd.models.gguf_config import build_config, generation_config, llama3_rope_divisors
-from ssd.models.gguf_metadata import GGUFMetadata, architecture_spec
+from ssd.models.gguf_metadata import GGUFMetadata, gguf_architecture
 from ssd.models.gguf_tensors import (
     SAFETENSORS_DTYPE,
     hf_tensor_name,
@@ -134,9 +134,9 @@ def convert_gguf(
     started = time.perf_counter()
     reader = gguf.GGUFReader(str(gguf_path))
     meta = GGUFMetadata(reader)
-    spec = architecture_spec(meta.architecture)
-    plan = plan_tensors(reader, meta, spec, keep_blocks)
-    config = build_config(meta, spec, plan, torch_dtype)
+    arch = gguf_architecture(meta.architecture)
+    plan = plan_tensors(reader, meta, arch, keep_blocks)
+    config = build_config(meta, arch, plan, torch_dtype)
     kept = {item.hf_name: item.block_kind for item in plan.tensors if item.block_kind is not None}
     if kept:
         config["quantization_config"] = {"quant_method": STORED_BLOCKS_METHOD, "block_types": kept}

@@ -38,7 +38,7 @@ class GGUFMetadata:
 
 
 @dataclass(frozen=True)
-class ArchSpec:
+class GGUFArch:
     """How one GGUF architecture maps onto an HF model class."""
 
     hf_class: str
@@ -48,17 +48,17 @@ class ArchSpec:
     qk_norm: bool
 
 
-ARCHITECTURES: dict[str, ArchSpec] = {
-    "llama": ArchSpec("LlamaForCausalLM", "llama", permuted_qk=True, qkv_bias=None, qk_norm=False),
-    "qwen2": ArchSpec("Qwen2ForCausalLM", "qwen2", permuted_qk=False, qkv_bias=True, qk_norm=False),
-    "qwen3": ArchSpec("Qwen3ForCausalLM", "qwen3", permuted_qk=False, qkv_bias=False, qk_norm=True),
+ARCHITECTURES: dict[str, GGUFArch] = {
+    "llama": GGUFArch("LlamaForCausalLM", "llama", permuted_qk=True, qkv_bias=None, qk_norm=False),
+    "qwen2": GGUFArch("Qwen2ForCausalLM", "qwen2", permuted_qk=False, qkv_bias=True, qk_norm=False),
+    "qwen3": GGUFArch("Qwen3ForCausalLM", "qwen3", permuted_qk=False, qkv_bias=False, qk_norm=True),
 }
 
 
-def architecture_spec(architecture: str) -> ArchSpec:
-    spec = ARCHITECTURES.get(architecture)
-    if spec is None:
+def gguf_architecture(architecture: str) -> GGUFArch:
+    arch = ARCHITECTURES.get(architecture)
+    if arch is None:
         raise ValueError(
             f"GGUF architecture {architecture!r} is not supported; supported: {sorted(ARCHITECTURES)}"
         )
-    return spec
+    return arch

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from ssd.models.gguf_metadata import ArchSpec, GGUFMetadata
+from ssd.models.gguf_metadata import GGUFArch, GGUFMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class ConversionPlan:
 KEPT_BLOCK_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k"}
 
 
-def plan_tensors(reader: Any, meta: GGUFMetadata, spec: ArchSpec, keep_blocks: bool = False) -> ConversionPlan:
+def plan_tensors(reader: Any, meta: GGUFMetadata, arch: GGUFArch, keep_blocks: bool = False) -> ConversionPlan:
     """Map every tensor and validate types and shapes before any output is written (fail fast); with
     ``keep_blocks``, projections of a :data:`KEPT_BLOCK_TYPES` type are planned as blocks."""
     import gguf
@@ -123,9 +123,9 @@ def plan_tensors(reader: Any, meta: GGUFMetadata, spec: ArchSpec, keep_blocks: b
             continue
         name = hf_tensor_name(tensor.name)
         rope_heads = 0
-        if spec.permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
+        if arch.permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             rope_heads = n_heads
-        elif spec.permuted_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
+        elif arch.permuted_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
             rope_heads = n_kv_heads
         if rope_heads and shape[0] % (2 * rope_heads):
             raise ValueError(f"GGUF tensor {tensor.name!r} shape {shape} does not split into {rope_heads} heads")
@@ -140,11 +140,11 @@ def plan_tensors(reader: Any, meta: GGUFMetadata, spec: ArchSpec, keep_blocks: b
     if q_proj is None:
         raise ValueError("GGUF file has no blk.0.attn_q.weight tensor")
     has_bias = "model.layers.0.self_attn.q_proj.bias" in names
-    if spec.qkv_bias is True and not has_bias:
+    if arch.qkv_bias is True and not has_bias:
         raise ValueError(f"{meta.architecture} checkpoints need q/k/v biases but the GGUF file has none")
-    if spec.qkv_bias is False and has_bias:
+    if arch.qkv_bias is False and has_bias:
         raise ValueError(f"{meta.architecture} checkpoints have no q/k/v biases but the GGUF file has some")
-    if spec.qk_norm and "model.layers.0.self_attn.q_norm.weight" not in names:
+    if arch.qk_norm and "model.layers.0.self_attn.q_norm.weight" not in names:
         raise ValueError(f"{meta.architecture} checkpoints need attn_q_norm tensors but the GGUF file has none")
     return ConversionPlan(
         tensors=plans,

@@ -63,14 +63,14 @@ def verify(
     if target_probs.dim() != 3:
         raise ValueError(f"target_probs must be [B, K+1, V], got {tuple(target_probs.shape)}")
     b, k_plus_1, vocab = target_probs.shape
-    k_max = k_plus_1 - 1
-    if draft_probs.shape != (b, k_max, vocab):
+    max_drafts = k_plus_1 - 1
+    if draft_probs.shape != (b, max_drafts, vocab):
         raise ValueError(
-            f"draft_probs must be [B, K, V] = {(b, k_max, vocab)}, got {tuple(draft_probs.shape)}"
+            f"draft_probs must be [B, K, V] = {(b, max_drafts, vocab)}, got {tuple(draft_probs.shape)}"
         )
-    if draft_tokens.shape != (b, k_max):
+    if draft_tokens.shape != (b, max_drafts):
         raise ValueError(
-            f"draft_tokens must be [B, K] = {(b, k_max)}, got {tuple(draft_tokens.shape)}"
+            f"draft_tokens must be [B, K] = {(b, max_drafts)}, got {tuple(draft_tokens.shape)}"
         )
     if greedy.shape != (b,) or len(generators) != b:
         raise ValueError(
@@ -78,38 +78,38 @@ def verify(
             f"{len(generators)}"
         )
     if num_draft_tokens is None:
-        counts = [k_max] * b
+        counts = [max_drafts] * b
     else:
         counts = [int(n) for n in num_draft_tokens]
-        if len(counts) != b or any(n < 0 or n > k_max for n in counts):
+        if len(counts) != b or any(n < 0 or n > max_drafts for n in counts):
             raise ValueError(
-                f"num_draft_tokens must list {b} values in [0, {k_max}], got {list(num_draft_tokens)}"
+                f"num_draft_tokens must list {b} values in [0, {max_drafts}], got {list(num_draft_tokens)}"
             )
 
     device = target_probs.device
     greedy = greedy.to(device)  # [B]
     n = torch.tensor(counts, dtype=torch.int64, device=device)  # [B]
-    valid = torch.arange(k_max, device=device)[None, :] < n[:, None]  # [B, K]
+    valid = torch.arange(max_drafts, device=device)[None, :] < n[:, None]  # [B, K]
     tokens = torch.where(valid, draft_tokens.to(device=device, dtype=torch.int64), 0)  # [B, K]
 
     u = draw_uniforms(generators, [c + 1 for c in counts], k_plus_1, device, default_generator)  # [B, K+1]
 
     p_argmax = target_probs.argmax(dim=-1)  # [B, K+1]
-    accept = tokens == p_argmax[:, :k_max]  # [B, K], greedy rows
+    accept = tokens == p_argmax[:, :max_drafts]  # [B, K], greedy rows
     if bool(greedy.all()):  # the uniforms above keep generator streams identical; q and p are not needed
         num_accepted = _accepted_prefix(accept & valid)  # [B]
         return _result(tokens, num_accepted, p_argmax.gather(1, num_accepted[:, None]).squeeze(1))
     p = target_probs.float()  # [B, K+1, V]
     q = draft_probs.float().to(device)  # [B, K, V]
-    p_d = p[:, :k_max].gather(2, tokens[..., None]).squeeze(-1)  # [B, K]
+    p_d = p[:, :max_drafts].gather(2, tokens[..., None]).squeeze(-1)  # [B, K]
     q_d = q.gather(2, tokens[..., None]).squeeze(-1)  # [B, K]
-    accept_sampled = (q_d > 0) & (u[:, :k_max] * q_d < p_d)  # [B, K]
+    accept_sampled = (q_d > 0) & (u[:, :max_drafts] * q_d < p_d)  # [B, K]
     num_accepted = _accepted_prefix(torch.where(greedy[:, None], accept, accept_sampled) & valid)  # [B]
     rejected = num_accepted < n  # [B]
 
     p_final = p.gather(1, num_accepted[:, None, None].expand(b, 1, vocab)).squeeze(1)  # [B, V]
-    if k_max > 0:
-        q_index = num_accepted.clamp(max=k_max - 1)[:, None, None].expand(b, 1, vocab)  # [B, 1, V]
+    if max_drafts > 0:
+        q_index = num_accepted.clamp(max=max_drafts - 1)[:, None, None].expand(b, 1, vocab)  # [B, 1, V]
         q_final = q.gather(1, q_index).squeeze(1)  # [B, V]
         residual = (p_final - q_final).clamp(min=0.0)  # [B, V]
         use_residual = rejected & (residual.sum(dim=-1) > 0)  # [B]

@@ -181,14 +181,14 @@ def draft_sequentially(
     the returned probabilities are exactly the ones sampled from.
     """
     device = runner.device
-    max_k = max(num_drafts)
-    tokens_out = torch.zeros(len(mirrors), max_k, dtype=torch.long, device=device)  # [B, K]
-    probs_out = torch.zeros(len(mirrors), max_k, distribution.target_vocab_size, device=device)  # [B, K, V]
-    copied = torch.zeros(len(mirrors), max_k, dtype=torch.bool)  # [B, K]
+    max_drafts = max(num_drafts)
+    tokens_out = torch.zeros(len(mirrors), max_drafts, dtype=torch.long, device=device)  # [B, K]
+    probs_out = torch.zeros(len(mirrors), max_drafts, distribution.target_vocab_size, device=device)  # [B, K, V]
+    copied = torch.zeros(len(mirrors), max_drafts, dtype=torch.bool)  # [B, K]
     pending = [m.token_ids[m.num_computed_tokens :] for m in mirrors]  # tokens the next forward must run
     drafted: list[list[int]] = [[] for _ in mirrors]
     positions = [m.num_computed_tokens for m in mirrors]  # K/V held so far
-    for step in range(max_k):
+    for step in range(max_drafts):
         active = [i for i, k in enumerate(num_drafts) if k > step]
         copies = {i: copied_token(lookups[i], drafted[i]) for i in active} if lookups is not None else {}
         run = [i for i in active if copies.get(i) is None]

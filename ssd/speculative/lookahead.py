@@ -1,13 +1,14 @@
 """Adaptive lookahead for ordinary speculative decoding: how many draft tokens a round should propose.
 
-A round with K drafts emits E(K) = 1 + sum_{j=1..K} c_1 c_2 ... c_j tokens per sequence on average, where c_j
+A round with n drafts emits E(n) = 1 + sum_{j=1..n} c_1 c_2 ... c_j tokens per sequence on average, where c_j
 is the probability that draft j is accepted given drafts 1..j-1 were (conditional rates, so runs of copied
 tokens, which are accepted together, are modelled as they occur rather than as independent trials). It costs
-one draft step per token plus the target's verification of K + 1 positions per sequence. On hardware where
+one draft step per token plus the target's verification of n + 1 positions per sequence. On hardware where
 every verified position and every draft step costs time (a CPU), a weak draft loses to plain decoding at
 K = 4 while K = 1 or 2 still wins, and a strong one wants K as large as allowed; the best K depends on the
-text, the draft and the batch size. So the engine measures both sides and picks, each step, the K in
-0..K_max that maximises sum_i E_i(K) / t_B(K) over the B decoding sequences (tokens per second):
+text, the draft and the batch size. So the engine measures both sides and picks, each step, the round drafts
+n in 0..K (K: ``num_speculative_tokens``) that maximise sum_i E_i(n) / t_B(n) over the B decoding sequences
+(tokens per second):
 
 - c_j: decayed counts over verified rounds (a round with n drafts and k accepted tried depths 1..min(k+1, n)
   and passed depths 1..k), engine-wide from a prior, and per sequence on a prior of its own
@@ -17,16 +18,16 @@ text, the draft and the batch size. So the engine measures both sides and picks,
   (Gaussian prior, sd `SEQ_SHIFT_SD`): a sequence that passes every shallow depth is expected to pass the
   deeper ones more often than the engine-wide rates say, before it has been tried there (a request that
   starts on K = 1 because the batch's other requests lowered the engine-wide rates would otherwise have
-  to wait for exploration steps to earn a longer lookahead);
-- t_B(K): the measured wall time of pure decode steps (no prefill in the batch) at batch size B, fitted as a
-  line in the mean number of drafts per sequence by decayed least squares. K = 0 is a plain decode step.
+  to wait for exploration steps to earn more round drafts);
+- t_B(n): the measured wall time of pure decode steps (no prefill in the batch) at batch size B, fitted as a
+  line in the mean number of drafts per sequence by decayed least squares. n = 0 is a plain decode step.
 
-While a batch size has no line yet (fewer than two distinct K measured), steps use K_max, the configured
-lookahead. Exploration steps use the next K of a round robin over 0..K_max instead of the best one, so the
+While a batch size has no line yet (fewer than two distinct n measured), steps use K, the configured
+maximum. Exploration steps use the next n of a round robin over 0..K instead of the best one, so the
 line stays measured at several points and every depth keeps being tested: the first comes `EXPLORE_EVERY`
 steps into a batch size, and each next one twice as many steps after the last (up to `MAX_EXPLORE_EVERY`)
-while the best K stays the same; a new best K brings the gap back to `EXPLORE_EVERY`. An exploration step
-can cost far more than its K suggests (``bench/RESULTS.md``), so a settled choice is re-checked rarely.
+while the best n stays the same; a new best n brings the gap back to `EXPLORE_EVERY`. An exploration step
+can cost far more than its n suggests (``bench/RESULTS.md``), so a settled choice is re-checked rarely.
 Pure Python, no torch; unit tested with exact values.
 """
 
@@ -123,9 +124,9 @@ def auto_min_batch_size(method: SpecMethod) -> int:
 
 
 class LookaheadPolicy:
-    """Per-depth acceptance counts and per-batch-size step-time lines; `choose` gives each step's K.
+    """Per-depth acceptance counts and per-batch-size step-time lines; `choose` gives each step's round drafts.
 
-    ``min_batch_size``: smaller decoding batches always get K_max (no choice, no exploration); see
+    ``min_batch_size``: smaller decoding batches always get K (no choice, no exploration); see
     ``auto_min_batch_size`` for the ``"auto"`` setting."""
 
     EXPLORE_EVERY = 8
@@ -135,15 +136,16 @@ class LookaheadPolicy:
 
     def __init__(
         self,
-        max_k: int,
+        num_speculative_tokens: int,
         prior_acceptance: float = 0.6,
         prior_weight: float = 2.0,
         acceptance_decay: float = 0.99,
         time_decay: float = 0.97,
         min_batch_size: int = 1,
     ) -> None:
-        if not isinstance(max_k, int) or isinstance(max_k, bool) or max_k < 1:
-            raise ValueError(f"max_k must be an integer >= 1, got {max_k!r}")
+        K = num_speculative_tokens
+        if not isinstance(K, int) or isinstance(K, bool) or K < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {num_speculative_tokens!r}")
         for name, value in (("acceptance_decay", acceptance_decay), ("time_decay", time_decay)):
             if not (0.0 < value <= 1.0):
                 raise ValueError(f"{name} must be in (0, 1], got {value!r}")
@@ -151,22 +153,22 @@ class LookaheadPolicy:
             raise ValueError("prior_acceptance must be in [0, 1] and prior_weight > 0")
         if not isinstance(min_batch_size, int) or min_batch_size < 1:
             raise ValueError(f"min_batch_size must be an integer >= 1, got {min_batch_size!r}")
-        self.max_k = max_k
+        self.num_speculative_tokens = num_speculative_tokens
         self.min_batch_size = min_batch_size
         self.acceptance_decay = acceptance_decay
         self.time_decay = time_decay
-        self._passed = [prior_acceptance * prior_weight] * max_k  # depth j+1: decayed accepted count
-        self._tried = [prior_weight] * max_k  # depth j+1: decayed attempts
+        self._passed = [prior_acceptance * prior_weight] * K  # depth j+1: decayed accepted count
+        self._tried = [prior_weight] * K  # depth j+1: decayed attempts
         self._seq_counts: dict[int, tuple[list[float], list[float]]] = {}  # seq_id -> (passed, tried), own rounds
         self._lines: dict[int, _Line] = {}
         self._since: dict[int, int] = {}  # batch size -> steps since its last exploration step
         self._gap: dict[int, int] = {}  # batch size -> steps from one exploration step to the next
-        self._best: dict[int, int] = {}  # batch size -> the best K of its last non-exploring step
+        self._best: dict[int, int] = {}  # batch size -> the best round drafts of its last non-exploring step
         self._explored: dict[int, int] = {}  # batch size -> exploration steps so far
 
     # ------------------------------------------------------------------ estimates
     def conditional_acceptance(self, seq_id: int | None = None) -> list[float]:
-        """c_1..c_Kmax, engine-wide or of one sequence (its own rounds on top of the engine-wide prior)."""
+        """c_1..c_K, engine-wide or of one sequence (its own rounds on top of the engine-wide prior)."""
         engine = [p / t for p, t in zip(self._passed, self._tried)]
         own = self._seq_counts.get(seq_id) if seq_id is not None else None
         if own is None:
@@ -176,7 +178,7 @@ class LookaheadPolicy:
         return [(p + w * _sigmoid(_logit(c) + delta)) / (t + w) for p, t, c in zip(*own, engine)]
 
     def expected_tokens_all(self, seq_id: int | None = None) -> list[float]:
-        """E(0)..E(K_max), E(k) = 1 + sum_{j<=k} prod_{i<=j} c_i, in one pass over the rates."""
+        """E(0)..E(K), E(k) = 1 + sum_{j<=k} prod_{i<=j} c_i, in one pass over the rates."""
         totals, run = [1.0], 1.0
         for c in self.conditional_acceptance(seq_id):
             run *= c
@@ -195,15 +197,15 @@ class LookaheadPolicy:
         return None if fit is None else fit[0] + fit[1] * k
 
     def best(self, seq_ids: list[int]) -> int:
-        """The K maximising tokens per second for these decoding sequences (K_max while the cost line of
+        """The round drafts maximising tokens per second for these decoding sequences (K while the cost line of
         their batch size is unknown)."""
         fit = self._fit(len(seq_ids))
         if fit is None:
-            return self.max_k
+            return self.num_speculative_tokens
         alpha, beta = fit
-        tokens = [sum(col) for col in zip(*(self.expected_tokens_all(s) for s in seq_ids))]  # [K_max + 1]
-        best_k, best_rate = self.max_k, -math.inf
-        for k in range(self.max_k + 1):
+        tokens = [sum(col) for col in zip(*(self.expected_tokens_all(s) for s in seq_ids))]  # [K + 1]
+        best_k, best_rate = self.num_speculative_tokens, -math.inf
+        for k in range(self.num_speculative_tokens + 1):
             t = alpha + beta * k
             rate = tokens[k] / t if t > 0 else -math.inf
             if rate > best_rate + 1e-12:
@@ -212,10 +214,10 @@ class LookaheadPolicy:
 
     # ------------------------------------------------------------------ choosing and learning
     def choose(self, seq_ids: list[int]) -> int:
-        """The lookahead for the next step of these decoding sequences."""
+        """The round drafts for the next step of these decoding sequences."""
         batch_size = max(1, len(seq_ids))
         if batch_size < self.min_batch_size:
-            return self.max_k
+            return self.num_speculative_tokens
         since = self._since.get(batch_size, 0) + 1
         gap = self._gap.get(batch_size, self.EXPLORE_EVERY)
         if since >= gap:
@@ -223,9 +225,9 @@ class LookaheadPolicy:
             self._gap[batch_size] = min(2 * gap, self.MAX_EXPLORE_EVERY)
             n = self._explored.get(batch_size, 0)
             self._explored[batch_size] = n + 1
-            return n % (self.max_k + 1)
+            return n % (self.num_speculative_tokens + 1)
         self._since[batch_size] = since
-        k = self.best(seq_ids) if seq_ids else self.max_k
+        k = self.best(seq_ids) if seq_ids else self.num_speculative_tokens
         if self._best.get(batch_size, k) != k:
             self._gap[batch_size] = self.EXPLORE_EVERY  # a new best: look at the others again soon
         self._best[batch_size] = k
@@ -233,18 +235,19 @@ class LookaheadPolicy:
 
     def choose_for(self, seqs: "Sequence[DecodingSequence]") -> int:
         """`choose` for these decoding sequences, except that while a seeded sampled request decodes, every
-        step keeps K_max: such a request draws one uniform per verified position, so its tokens repeat from
+        step keeps K: such a request draws one uniform per verified position, so its tokens repeat from
         run to run only if its rounds do."""
         if any(s.sampling_params.seed is not None and not s.sampling_params.is_greedy for s in seqs):
-            return self.max_k
+            return self.num_speculative_tokens
         return self.choose([s.seq_id for s in seqs])
 
     def observe_round(self, seq_id: int, num_drafts: int, num_accepted: int) -> None:
         """A verified round of sequence `seq_id`: `num_accepted` of its `num_drafts` drafts were accepted."""
-        if not (0 <= num_accepted <= num_drafts <= self.max_k):
-            raise ValueError(f"need 0 <= num_accepted <= num_drafts <= {self.max_k}, got {num_accepted}, {num_drafts}")
+        K = self.num_speculative_tokens
+        if not (0 <= num_accepted <= num_drafts <= K):
+            raise ValueError(f"need 0 <= num_accepted <= num_drafts <= {K}, got {num_accepted}, {num_drafts}")
         d = self.acceptance_decay
-        own = self._seq_counts.setdefault(seq_id, ([0.0] * self.max_k, [0.0] * self.max_k))
+        own = self._seq_counts.setdefault(seq_id, ([0.0] * K, [0.0] * K))
         for passed, tried in ((self._passed, self._tried), own):
             for j in range(min(num_accepted + 1, num_drafts)):
                 tried[j] = d * tried[j] + 1.0

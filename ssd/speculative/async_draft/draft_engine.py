@@ -166,8 +166,8 @@ class DraftEngine:
         """Append the newly committed tokens; return the cached speculation for the outcome, if any."""
         mirror = state.mirror
         k = row.num_accepted
-        spec = state.speculation
-        consistent = k >= 0 and spec and row.new_tokens[:-1] == spec[1 : k + 1] and len(row.new_tokens) == k + 1
+        sent = state.speculation
+        consistent = k >= 0 and sent and row.new_tokens[:-1] == sent[1 : k + 1] and len(row.new_tokens) == k + 1
         pending_valid = mirror.num_computed_tokens == mirror.num_tokens
         mirror.append_tokens(row.new_tokens)
         if not consistent:

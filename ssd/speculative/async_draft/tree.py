@@ -20,13 +20,13 @@ def fork_fixed(state: DraftSeqState, logits: torch.Tensor, dist: DraftDistributi
     lookup when it has a proposal: long copied spans are accepted whole."""
     fan_out = state.fan_out
     drafts = state.speculation[1:]
-    k_max = len(drafts)
-    top = dist.top_tokens(logits, max(fan_out[: k_max + 1]) + 1).tolist()  # [K+1, F+1]
+    num_drafts = len(drafts)
+    top = dist.top_tokens(logits, max(fan_out[: num_drafts + 1]) + 1).tolist()  # [K+1, F+1]
     branches = []
-    for k in range(k_max + 1):
+    for k in range(num_drafts + 1):
         f = fan_out[k] if k < len(fan_out) else 0
         ranked = top[k]
-        if k < k_max:
+        if k < num_drafts:
             ranked = [t for t in ranked if t != drafts[k]]
         elif f > 0 and (copied := state.copy(drafts)) is not None:
             ranked = [copied] + [t for t in ranked if t != copied]

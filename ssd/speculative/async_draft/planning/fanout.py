@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ssd.options import FanOutKind, FanOutSpec, is_int
+from ssd.options import FanOutKind, FanOutChoice, is_int
 from ssd.speculative.async_draft.planning.dynamic_fanout import DynamicFanOut
 from ssd.speculative.async_draft.planning.estimator import AcceptanceEstimator, check_budget, check_rate
 
@@ -39,9 +39,9 @@ _SNAP_EPS = 1e-9
 _TIE_DECIMALS = 9
 
 
-def _check_lookahead(K: object) -> int:
+def _check_k(K: object) -> int:
     if not is_int(K) or K < 1:  # type: ignore[operator]
-        raise ValueError(f"lookahead K must be an integer >= 1, got {K!r}")
+        raise ValueError(f"K must be an integer >= 1, got {K!r}")
     return int(K)  # type: ignore[call-overload]
 
 
@@ -55,7 +55,7 @@ class FanOut:
         values = tuple(self.values)
         if len(values) < 2:
             raise ValueError(
-                f"a fan-out needs K + 1 >= 2 entries (F_0..F_K for lookahead K >= 1), got {list(values)}"
+                f"a fan-out needs K + 1 >= 2 entries (F_0..F_K for K >= 1), got {list(values)}"
             )
         for k, f in enumerate(values):
             if not is_int(f) or f < 0:
@@ -90,7 +90,7 @@ def per_k_counts(branches: Sequence[tuple[int, ...]], K: int) -> list[int]:
 def acceptance_length_probs(a: float, K: int) -> list[float]:
     """P(k) for k = 0..K under the truncated geometric model; a = 0 puts all mass on k = 0, a = 1 on k = K."""
     a = check_rate("acceptance rate a", a)
-    K = _check_lookahead(K)
+    K = _check_k(K)
     probs = [(1.0 - a) * a**k for k in range(K)]  # 0.0 ** 0 == 1.0, so a = 0 gives P(0) = 1
     probs.append(a**K)
     return probs
@@ -132,7 +132,7 @@ def geometric_fan_out(a: float, r: float, K: int, budget: int) -> list[int]:
     a = check_rate("acceptance rate a", a)
     if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 <= r < math.inf):
         raise ValueError(f"miss exponent r must be a finite number >= 0, got {r!r}")
-    K = _check_lookahead(K)
+    K = _check_k(K)
     budget = check_budget(budget)
     exponent = 1.0 / (1.0 + float(r))
     weights = [p**exponent for p in acceptance_length_probs(a, K)]  # 0 ** x == 0 for x > 0
@@ -155,7 +155,7 @@ def fold_fan_out(fan_out: Sequence[int], num_drafts: int) -> list[int]:
 def expected_tokens_per_round(a: float, K: int) -> float:
     """E[k + 1] under the truncated geometric model: sum_{i=0..K} a^i (= K + 1 when a = 1)."""
     a = check_rate("acceptance rate a", a)
-    K = _check_lookahead(K)
+    K = _check_k(K)
     return math.fsum(a**i for i in range(K + 1))
 
 
@@ -178,13 +178,13 @@ class FanOutPolicy:
         estimator: AcceptanceEstimator | None = None,
         dynamic: bool = False,
     ) -> None:
-        self.K = _check_lookahead(K)
+        self.K = _check_k(K)
         if fixed is not None and dynamic:
             raise ValueError("a fan-out is either fixed or dynamic, not both")
         self.dynamic = dynamic
         if fixed is not None:
             if fixed.K != self.K:
-                raise ValueError(f"fan-out has K = {fixed.K} but the lookahead is K = {self.K}")
+                raise ValueError(f"fan-out has F_0..F_{fixed.K} but K = {self.K}")
             if budget is not None and budget != fixed.budget:
                 raise ValueError(
                     f"budget {budget!r} disagrees with the fixed fan-out {fixed.as_list()} "
@@ -267,7 +267,7 @@ class BudgetController:
     ADAPTIVE_BUDGET_PER_K = 6
 
     def __init__(self, K: int, maximum: int | None = None) -> None:
-        K = _check_lookahead(K)
+        K = _check_k(K)
         self.minimum = K + 1
         self.maximum = check_budget(maximum) if maximum is not None else self.max_budget(K)
         if self.maximum < self.minimum:
@@ -276,7 +276,7 @@ class BudgetController:
 
     @classmethod
     def max_budget(cls, K: int) -> int:
-        return cls.ADAPTIVE_BUDGET_PER_K * (_check_lookahead(K) + 1)
+        return cls.ADAPTIVE_BUDGET_PER_K * (_check_k(K) + 1)
 
     def observe(self, build_s: float, idle_s: float) -> int:
         """Update from one round's cache-build time and the idle time that followed; returns the budget."""
@@ -287,23 +287,23 @@ class BudgetController:
         return self.budget
 
 
-def max_fan_out_budget(spec: FanOutSpec, K: int, budget: int | None) -> int:
-    """The most branches per sequence a fan-out spec can ever ask for (sizes the draft's scratch KV):
+def max_fan_out_budget(fan_out: FanOutChoice, K: int, budget: int | None) -> int:
+    """The most branches per sequence a fan-out choice can ever ask for (sizes the draft's scratch KV):
     its sum when fixed, `budget` for "auto" or "dynamic" with a fixed budget, else the adaptive maximum."""
-    policy = fan_out_policy(spec, K, budget)
+    policy = fan_out_policy(fan_out, K, budget)
     if policy.adjustable and budget is None:
         return BudgetController.max_budget(K)
     return policy.budget
 
 
 def fan_out_policy(
-    spec: FanOutSpec, K: int, budget: int | None = None, estimator: AcceptanceEstimator | None = None
+    fan_out: FanOutChoice, K: int, budget: int | None = None, estimator: AcceptanceEstimator | None = None
 ) -> FanOutPolicy:
-    """The policy of a fan-out spec (``ssd/options.py: FanOutSpec``) for lookahead K: F_k = F for every k
+    """The policy of a fan-out choice (``ssd/options.py: FanOutChoice``) for K: F_k = F for every k
     (uniform), the given F_0..F_K, "auto" (geometric allocation from online estimates) or "dynamic" (each
     sequence's likeliest outcomes). `budget` is the branch budget of "auto" and "dynamic" (default
-    (K + 1) * 2); a fixed spec ignores it (its sum is its budget)."""
-    K = _check_lookahead(K)
-    if spec.adjustable:
-        return FanOutPolicy(K, budget=budget, estimator=estimator, dynamic=spec.kind is FanOutKind.DYNAMIC)
-    return FanOutPolicy(K, fixed=FanOut(tuple(spec.per_k(K))), estimator=estimator)
+    (K + 1) * 2); a fixed choice ignores it (its sum is its budget)."""
+    K = _check_k(K)
+    if fan_out.adjustable:
+        return FanOutPolicy(K, budget=budget, estimator=estimator, dynamic=fan_out.kind is FanOutKind.DYNAMIC)
+    return FanOutPolicy(K, fixed=FanOut(tuple(fan_out.per_k(K))), estimator=estimator)
