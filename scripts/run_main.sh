@@ -20,6 +20,6 @@ echo "start-up costs), then times the generation of the prompts below; tok/s cou
 echo "### autoregressive"; ssd generate "${COMMON[@]}"
 echo "### speculative decoding (draft_model, fixed K=4)"
 ssd generate "${COMMON[@]}" --draft "$DRAFT" --method draft_model --k 4 --adaptive-lookahead off
-echo "### speculative decoding, adaptive lookahead (the default: K chosen per step in 0..4)"
+echo "### speculative decoding, adaptive lookahead (the default: round drafts chosen per step in 0..K=4)"
 ssd generate "${COMMON[@]}" --draft "$DRAFT" --method draft_model --k 4
 echo "### SSD (K=4, dynamic fan-out, auto fallback, draft in its own process)"; ssd generate "${COMMON[@]}" --draft "$DRAFT" --method ssd --k 4
