@@ -23,7 +23,7 @@ from ssd.models.attention import (  # noqa: E402
 )
 from ssd.models.attention_layout import SequenceLayout, build_attention_metadata  # noqa: E402
 from ssd.runtime.static_batch import BucketPolicy, StaticInputs, pack_step  # noqa: E402
-from ssd.models.decoder import RMSNorm  # noqa: E402
+from ssd.models.layers import RMSNorm  # noqa: E402
 from ssd.models.loader import load_model  # noqa: E402
 from ssd.models.rope import RotaryEmbedding, apply_rope  # noqa: E402
 

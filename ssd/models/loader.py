@@ -26,7 +26,8 @@ from safetensors import safe_open
 
 from ssd.models.arch import ModelArchConfig
 from ssd.models.block_quant import Blocks, BlockKind, BlockQuantProduct, blocks_from_gguf, stored_block_types
-from ssd.models.decoder import DecoderLM, MergedLinear
+from ssd.models.decoder import DecoderLM
+from ssd.models.layers import MergedLinear
 from ssd.models.parallel import SourceSlice
 from ssd.models.registry import get_model_class
 

@@ -1,0 +1,78 @@
+"""Random EAGLE-3 heads written in the published checkpoint layout (see ``ssd/models/eagle3.py``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+HEAD_SHAPE = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+
+
+def make_eagle3_head(
+    path: Path,
+    *,
+    vocab_size: int,
+    target_hidden_size: int,
+    draft_vocab_size: int = 100,
+    seed: int = 0,
+    own_embedding: bool = False,
+    feature_layers: list[int] | None = None,
+    file_format: str = "safetensors",
+    hidden_size: int = HEAD_SHAPE["hidden_size"],
+    **config_overrides,
+) -> Path:
+    """Write a random head (config.json and weights) into ``path``; returns ``path``. Without its own embedding
+    a head shares the target's, so its ``hidden_size`` must be the target's."""
+    gen = torch.Generator().manual_seed(seed)
+    h, inter = hidden_size, HEAD_SHAPE["intermediate_size"]
+    d = h // HEAD_SHAPE["num_attention_heads"]
+    q, kv = HEAD_SHAPE["num_attention_heads"] * d, HEAD_SHAPE["num_key_value_heads"] * d
+
+    def rand(*shape: int, std: float = 0.2) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    ids = torch.sort(torch.randperm(vocab_size, generator=gen)[:draft_vocab_size]).values  # [Vd] target ids
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    state = {
+        "fc.weight": rand(h, 3 * target_hidden_size, std=0.1),
+        "midlayer.input_layernorm.weight": 1 + rand(h, std=0.1),
+        "midlayer.hidden_norm.weight": 1 + rand(h, std=0.1),
+        "midlayer.post_attention_layernorm.weight": 1 + rand(h, std=0.1),
+        "midlayer.self_attn.q_proj.weight": rand(q, 2 * h),
+        "midlayer.self_attn.k_proj.weight": rand(kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": rand(kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": rand(h, q),
+        "midlayer.mlp.gate_proj.weight": rand(inter, h),
+        "midlayer.mlp.up_proj.weight": rand(inter, h),
+        "midlayer.mlp.down_proj.weight": rand(h, inter),
+        "norm.weight": 1 + rand(h, std=0.1),
+        "lm_head.weight": rand(draft_vocab_size, h),
+        "d2t": ids - torch.arange(draft_vocab_size),
+        "t2d": t2d,
+    }
+    if own_embedding:
+        state["embed_tokens.weight"] = rand(vocab_size, h)
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **HEAD_SHAPE, "hidden_size": h,
+        "num_hidden_layers": 1, "vocab_size": vocab_size, "draft_vocab_size": draft_vocab_size,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048, "hidden_act": "silu",
+        "tie_word_embeddings": False,
+    }
+    if target_hidden_size != h:
+        config["target_hidden_size"] = target_hidden_size
+    if feature_layers is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": feature_layers}
+    config.update(config_overrides)
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    if file_format == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
+    else:
+        torch.save(state, path / "pytorch_model.bin")
+    return path
