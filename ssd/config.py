@@ -18,8 +18,8 @@ from ssd.options import (
     AdaptiveMode,
     Dtype,
     Fallback,
-    FanOutKind,
     FanOutChoice,
+    FanOutKind,
     FillerPadding,
     LookupConfig,
     Process,
@@ -58,9 +58,11 @@ class SpeculativeConfig:
     """Speculative decoding options, named as in vLLM where a counterpart exists."""
 
     method: SpecMethod = option(
-        SpecMethod.DRAFT_MODEL, "draft_model (ordinary SD), ssd (the draft in its own process), or ngram (prompt "
-        "lookup alone, no draft model)", cli_default=SpecMethod.SSD)
-    model: str | None = option(None, "draft checkpoint folder; enables speculation", processes=(DRAFT,),
+        SpecMethod.DRAFT_MODEL, "draft_model (ordinary SD), ssd (the draft in its own process), ngram (prompt "
+        "lookup alone, no draft model), or eagle3 (SD with an EAGLE-3 head: ssd/models/eagle3.py)",
+        cli_default=SpecMethod.SSD)
+    model: str | None = option(None, "draft checkpoint folder (an EAGLE-3 head's for eagle3); enables speculation",
+                               processes=(DRAFT,),
                                flags=("--draft",))
     num_speculative_tokens: int = option(4, "K: the most draft tokens a round verifies per sequence",
                                          processes=(DRAFT,), flags=("--k", "--num-speculative-tokens"))
@@ -131,6 +133,11 @@ class SpeculativeConfig:
                 raise ValueError("method 'ngram' drafts with prompt lookup only; it needs prompt_lookup=True")
         elif not self.model:
             raise ValueError("speculative_config needs 'model': the path of the draft checkpoint")
+        if self.method is SpecMethod.EAGLE3:
+            self.draft_weight_format = WeightFormat.parse(self.draft_weight_format, "draft_weight_format")
+            if self.draft_weight_format not in (WeightFormat.AUTO, WeightFormat.DENSE):
+                raise ValueError(f"an EAGLE-3 head runs dense in draft_dtype; draft_weight_format "
+                                 f"{self.draft_weight_format.value!r} does not apply (leave it auto or dense)")
         K = self.num_speculative_tokens
         if not is_int(K) or K < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {K!r}")

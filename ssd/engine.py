@@ -77,7 +77,7 @@ class LLMEngine:
         if self.spec is not None:
             try:
                 self.proposer = build_proposer(config, self._target_facts(), self.tokenizer, self.default_generator,
-                                               self.layout.draft_cpus)
+                                               self.layout.draft_cpus, self.runner)
             except BaseException:
                 self.shutdown()
                 raise

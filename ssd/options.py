@@ -50,6 +50,7 @@ class SpecMethod(_Choice):
     DRAFT_MODEL = "draft_model"  # ordinary speculative decoding with a draft model
     SSD = "ssd"  # speculative speculative decoding: the draft in its own process
     NGRAM = "ngram"  # prompt lookup alone, no draft model
+    EAGLE3 = "eagle3"  # an EAGLE-3 head reading the target's hidden states, in the engine's process
 
 
 class Fallback(_Choice):

@@ -88,7 +88,14 @@ class StepExecutor:
             items.append(ForwardItem(tokens, start_pos, seq.block_table, num_logits))
 
         start = time.perf_counter()
-        logits = self.runner.forward(items)  # [N, V]
+        layers = getattr(self.proposer, "feature_layers", None)  # an EAGLE-3 head reads the target's features
+        if layers:
+            logits, features = self.runner.forward_with_features(items, layers)  # [N, V], [T, F]
+            self.proposer.observe_target(  # type: ignore[union-attr]
+                [(s.seq.seq_id, item.start_pos, len(item.token_ids)) for s, item in zip(scheduled, items)], features
+            )
+        else:
+            logits = self.runner.forward(items)  # [N, V]
         result.forward_time_s = time.perf_counter() - start
 
         offset = 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -185,14 +186,29 @@ class ModelRunner:
             raise self.tp.failure_error(err) from err
 
     def _forward(self, items: list[ForwardItem]) -> torch.Tensor | None:
-        flat = flatten_items(items, self.block_size)
         if self.graph_runner is not None:
+            flat = flatten_items(items, self.block_size)
             logits = self.graph_runner.run(flat.token_ids, flat.positions, flat.layouts, flat.logit_rows)
             if logits is not None:  # None: no bucket fits
                 return logits  # [N, V] float32
+        return self._eager(items, ())[0]
+
+    def forward_with_features(
+        self, items: list[ForwardItem], layers: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward`, plus the hidden states entering the target's ``layers`` for every token of the step,
+        items in order: ``(logits [N, V], features [T, len(layers) * hidden])``, from the same pass (what an
+        EAGLE-3 head reads; :meth:`ssd.models.decoder.DecoderLM.forward_features`). Eager, on one rank."""
+        if self.tp is not None:
+            raise ValueError("the target's features are not gathered under tensor parallelism yet")
+        logits, features = self._eager(items, layers)
+        return logits, features
+
+    def _eager(self, items: list[ForwardItem], layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        flat = flatten_items(items, self.block_size)
         step = build_step_tensors(flat.token_ids, flat.positions, flat.layouts, flat.logit_rows, self.device)
         step.meta.row_invariant = self.row_invariant_attention
         input_ids = step.input_ids if self._input_map is None else self._input_map[step.input_ids]  # [T] model ids
-        hidden = self.model(input_ids, step.positions, step.meta, self.kv_caches)  # [T, H]
+        hidden, features = self.model.forward_features(input_ids, step.positions, step.meta, self.kv_caches, layers)
         selected = hidden if flat.all_rows else hidden[step.logit_rows]  # [N, H]
-        return self.model.compute_logits(selected)  # [N, V] float32
+        return self.model.compute_logits(selected), features  # [N, V] float32, [T, n * H] or None

@@ -21,10 +21,12 @@ def build_proposer(
     tokenizer: Tokenizer,
     default_generator: torch.Generator,
     draft_cpus: list[int] | None = None,
+    target_runner: ModelRunner | None = None,
 ) -> Proposer:
     """The proposer of ``config.spec`` (a resolved config: ``ssd/resolve.py``) for ``target``, whose tokenizer
     a draft's must equal; ``default_generator`` draws for requests without a seed of their own; ``draft_cpus``:
-    the cores the engine's process layout reserved for an SSD draft worker."""
+    the cores the engine's process layout reserved for an SSD draft worker; ``target_runner``: the target's
+    runner, whose configuration and input embedding an EAGLE-3 head reads."""
     spec = config.spec
     if spec is None:
         raise ValueError("the configuration asks for no speculation")
@@ -40,6 +42,8 @@ def build_proposer(
         from ssd.speculative.ngram_proposer import NgramProposer
 
         return NgramProposer(target.vocab_size, spec.lookup)
+    if spec.method is SpecMethod.EAGLE3:
+        return _eagle3_proposer(config, target, default_generator, target_runner)
     if spec.method is SpecMethod.SSD:
         from ssd.speculative.async_draft.factory import build_ssd_proposer
 
@@ -64,3 +68,23 @@ def _draft_runner(config: EngineConfig, target: TargetFacts, extra_tokens_per_se
         weight_format=spec.draft_weight_format,
         fused_kernels=config.fused_kernels,
     )
+
+
+def _eagle3_proposer(
+    config: EngineConfig, target: TargetFacts, default_generator: torch.Generator, runner: ModelRunner | None
+) -> Proposer:
+    from ssd.dtypes import torch_dtype
+    from ssd.models.eagle3 import load_eagle3_head
+    from ssd.speculative.eagle3_proposer import Eagle3Proposer
+
+    spec = config.spec
+    if runner is None or runner.tp is not None:
+        raise ValueError("method 'eagle3' runs the head beside a target on one rank (no tensor parallelism yet)")
+    device = torch.device(spec.draft_device or config.device)
+    head, layers = load_eagle3_head(spec.model, runner.arch, torch_dtype(spec.draft_dtype),
+                                    target_embedding=runner.model.embed_tokens.weight)
+    head.to(device)
+    K = spec.num_speculative_tokens
+    distribution = DraftDistribution(target.vocab_size, target.vocab_size, head.draft_to_target.to(device))
+    return Eagle3Proposer(head, layers, draft_num_blocks(config, target, K), config.block_size, distribution,
+                          default_generator, device)

@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ssd.options import FanOutKind, FanOutChoice, is_int
+from ssd.options import FanOutChoice, FanOutKind, is_int
 from ssd.speculative.async_draft.planning.dynamic_fanout import DynamicFanOut
 from ssd.speculative.async_draft.planning.estimator import AcceptanceEstimator, check_budget, check_rate
 

@@ -1,0 +1,197 @@
+"""Speculative decoding with an EAGLE-3 head (``method="eagle3"``): drafts from the target's own hidden states.
+
+The target runs with its features on: each step hands the proposer the hidden states entering the head's three
+target layers for every token it computed (:meth:`Eagle3Proposer.observe_target`). The head keeps a paged KV
+cache of its own (one layer) over *rows*: row p holds the token at p + 1 read with the feature of position p
+(:mod:`ssd.models.eagle3`). A round for a sequence whose target has computed positions 0..n-1 (the token at n
+pending):
+
+1. catch up: one forward over the rows the head has not run up to row n - 1 (the last round's accepted tokens
+   and its bonus token, or a whole prompt), each with the target's feature of its position; the last row's
+   logits give d_1;
+2. draft d_2..d_K one row at a time, each row reading the previous row's output as its feature (the head's own
+   prediction of the target's);
+3. forget the rows of step 2 (the mirror's count goes back to n): next round the target's features of the
+   tokens it accepted replace them.
+
+Rows are batched over sequences in every step. Positions the target did not compute (its prefix cache served
+them) have no features: the head reads zeros there, which costs acceptance, never exactness. Exactness comes
+from verification, as for every proposer: each draft's q is the processed distribution it was drawn from.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ssd.core.block_pool import BlockPool
+from ssd.core.kv_cache_manager import KVCacheManager
+from ssd.core.sequence import Sequence
+from ssd.models.attention_layout import build_step_tensors
+from ssd.models.eagle3 import Eagle3Head
+from ssd.runtime.forward_items import ForwardItem, flatten_items
+from ssd.speculative.drafting import DraftDistribution
+from ssd.speculative.proposal import DraftStatistics, Proposal, ProposalRequest, VerifiedRound
+
+logger = logging.getLogger(__name__)
+
+
+class Eagle3Proposer:
+    def __init__(
+        self,
+        head: Eagle3Head,
+        feature_layers: tuple[int, ...],
+        num_blocks: int,
+        block_size: int,
+        distribution: DraftDistribution,
+        default_generator: torch.Generator,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.head = head
+        self.feature_layers = feature_layers  # the target layers whose entering hidden states the head reads
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.caches = head.allocate_kv_caches(num_blocks, block_size, self.device)
+        # No prefix caching: a row's K/V depends on the token after its position, so the target's block hashes
+        # do not name it.
+        self.kv_manager = KVCacheManager(BlockPool(num_blocks, block_size, enable_prefix_caching=False))
+        self.distribution = distribution
+        self.default_generator = default_generator
+        self.mirrors: dict[int, Sequence] = {}  # per sequence; num_computed_tokens counts the head's rows
+        self.features: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (first position, [m, 3 Ht]) not yet run
+        self.rows_without_features = 0  # rows the head ran on zeros (positions served by the target's prefix cache)
+        self.available = True
+        self.failure: str | None = None
+
+    def statistics(self) -> DraftStatistics:
+        return DraftStatistics()  # the head runs inside the target's steps: nothing beyond the round counters
+
+    def prepare(self, seqs: list[Sequence]) -> None:
+        """Nothing to overlap in-process: the head catches up when it first proposes."""
+
+    # ------------------------------------------------------------------ the target's features
+    def observe_target(self, computed: list[tuple[int, int, int]], features: torch.Tensor) -> None:
+        """The target's step computed, for each ``(seq_id, first position, count)`` in flat order, the rows of
+        ``features [T, 3 Ht]``. Rows past what verification keeps are overwritten when the target computes those
+        positions again; a round only reads positions the target holds."""
+        offset = 0
+        for seq_id, start, count in computed:
+            rows = features[offset : offset + count]
+            offset += count
+            held = self.features.get(seq_id)
+            if held is not None and held[0] <= start <= held[0] + len(held[1]):
+                rows = torch.cat([held[1][: start - held[0]], rows])
+                start = held[0]
+            self.features[seq_id] = (start, rows)
+
+    def _target_features(self, seq_id: int, first: int, end: int) -> torch.Tensor:
+        """The target's features of positions ``first..end-1`` ``[end - first, 3 Ht]`` (zeros where unknown)."""
+        out = torch.zeros(end - first, self.head.fc.in_features, dtype=self.head.fc.weight.dtype, device=self.device)
+        held = self.features.get(seq_id)
+        lo = hi = first
+        if held is not None:
+            start, rows = held
+            lo, hi = max(first, start), min(end, start + len(rows))
+            if hi > lo:
+                out[lo - first : hi - first] = rows[lo - start : hi - start]
+        self.rows_without_features += (end - first) - max(0, hi - lo)
+        return out
+
+    # ------------------------------------------------------------------ proposing
+    def _mirror(self, seq: Sequence) -> Sequence:
+        mirror = self.mirrors.get(seq.seq_id)
+        if mirror is None:
+            mirror = Sequence(seq.seq_id, seq.prompt_token_ids, seq.sampling_params, token_ids=seq.token_ids)
+            self.mirrors[seq.seq_id] = mirror
+        return mirror
+
+    def _run(self, items: list[ForwardItem], features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over ``items`` with ``features [T, H]``: (outputs [T, H], rows of the items' last tokens)."""
+        flat = flatten_items(items, self.block_size)
+        step = build_step_tensors(flat.token_ids, flat.positions, flat.layouts, flat.logit_rows, self.device)
+        out = self.head(step.input_ids, features, step.positions, step.meta, self.caches)
+        return out, step.logit_rows
+
+    @torch.inference_mode()
+    def propose(self, requests: list[ProposalRequest]) -> Proposal:
+        """Drafts for every request whose target has computed all but its pending token; none for a prompt
+        whose step is also to verify (``prompt_step_speculation``): the head needs the prompt's features."""
+        num_drafts = [r.num_drafts if r.seq.num_uncomputed_tokens == 1 else 0 for r in requests]
+        ready = [i for i, n in enumerate(num_drafts) if n > 0]
+        width = max(num_drafts)
+        if len(ready) == len(requests):
+            return Proposal(*self._draft(requests, width), num_drafts)
+        tokens = torch.zeros(len(requests), width, dtype=torch.long, device=self.device)  # [B, K]
+        probs = torch.zeros(len(requests), width, self.distribution.target_vocab_size, device=self.device)
+        if ready:
+            index = torch.tensor(ready, device=self.device)
+            tokens[index], probs[index] = self._draft([requests[i] for i in ready], width)
+        return Proposal(tokens, probs, num_drafts)
+
+    def _draft(self, requests: list[ProposalRequest], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The three steps of a round for these requests: drafts ``[R, width]`` and their q ``[R, width, V]``."""
+        mirrors = [self._mirror(r.seq) for r in requests]
+        ends = [r.seq.num_computed_tokens for r in requests]  # rows 0..end-1 read the target's features
+        items, feature_rows = [], []
+        for mirror, r, end in zip(mirrors, requests, ends):
+            first = min(mirror.num_computed_tokens, end - 1)  # at least the row of the pending token
+            mirror.num_computed_tokens = first
+            if not self.kv_manager.allocate_slots(mirror, end - first, r.num_drafts - 1):
+                raise RuntimeError("EAGLE-3 head KV cache exhausted; it is sized never to run out before the "
+                                   "target's")
+            items.append(ForwardItem(r.seq.token_ids[first + 1 : end + 1], first, mirror.block_table))
+            feature_rows.append(self._target_features(r.seq.seq_id, first, end))
+        out, last = self._run(items, self.head.fuse(torch.cat(feature_rows)))
+        features = out[last]  # [B, H]: each sequence's newest output, the next row's feature
+
+        num_drafts = [r.num_drafts for r in requests]
+        tokens_out = torch.zeros(len(requests), width, dtype=torch.long, device=self.device)  # [R, K]
+        probs_out = torch.zeros(len(requests), width, self.distribution.target_vocab_size, device=self.device)
+        active = list(range(len(requests)))
+        for step in range(max(num_drafts)):
+            active = [i for i in active if num_drafts[i] > step]
+            if step > 0:  # a row per sequence on the head's own feature
+                items = [ForwardItem([int(tokens_out[i, step - 1])], ends[i] + step - 1, mirrors[i].block_table)
+                         for i in active]
+                out, _ = self._run(items, features[active])
+                features[active] = out
+            logits = self.head.compute_logits(features[active])  # [R, Vd]
+            tokens, probs = self.distribution.draw(
+                logits, [requests[i].seq.sampling_params for i in active], [requests[i].generator for i in active],
+                self.default_generator,
+            )
+            rows = torch.tensor(active, device=self.device)
+            tokens_out[rows, step] = tokens
+            if probs is None:
+                probs_out[rows, step, tokens] = 1.0  # all greedy: q is one-hot at the draft
+            else:
+                probs_out[rows, step] = probs
+        for r, mirror, end in zip(requests, mirrors, ends):
+            mirror.num_computed_tokens = end  # step 2's rows are dropped: the target's features replace them
+            self._forget_features(r.seq.seq_id, end)
+        return tokens_out, probs_out
+
+    def _forget_features(self, seq_id: int, end: int) -> None:
+        held = self.features.get(seq_id)
+        if held is not None:
+            start, rows = held
+            self.features[seq_id] = (end, rows[max(0, end - start) :])
+
+    def on_verified(self, rounds: list[VerifiedRound]) -> None:
+        for round_ in rounds:
+            mirror = self.mirrors.get(round_.seq.seq_id)
+            if mirror is not None:
+                self.kv_manager.trim(mirror)
+
+    def release(self, seq: Sequence) -> None:
+        mirror = self.mirrors.pop(seq.seq_id, None)
+        self.features.pop(seq.seq_id, None)
+        if mirror is not None:
+            self.kv_manager.free(mirror)
+
+    def shutdown(self) -> None:
+        for mirror in self.mirrors.values():
+            self.kv_manager.free(mirror)
+        self.mirrors.clear()
+        self.features.clear()
