@@ -23,14 +23,17 @@ sys.path.insert(0, str(ROOT))
 
 
 def run_sd(target: str, draft: str, prompts: list, k: int, max_tokens: int, dtype: str,
-           prompt_lookup: bool = False, draft_weight_format: str = "auto") -> tuple[float, list[list[int]], float]:
-    """(mean acceptance length, outputs, wall seconds) over prompts run one at a time (batch 1)."""
+           prompt_lookup: bool = False, draft_weight_format: str = "auto",
+           method: str = "draft_model") -> tuple[float, list[list[int]], float]:
+    """(mean acceptance length, outputs, wall seconds) over prompts run one at a time (batch 1); ``method``
+    ``eagle3`` measures an EAGLE-3 head (``draft`` is its folder; it drafts without prompt lookup)."""
     from ssd import LLM, SamplingParams
 
-    llm = LLM(model=target, dtype=dtype, kv_cache_memory="512MiB",
-              speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": k,
-                                  "prompt_lookup": prompt_lookup, "draft_weight_format": draft_weight_format,
-                                  "adaptive_lookahead": False})  # acceptance length at exactly K drafts
+    spec = {"method": method, "model": draft, "num_speculative_tokens": k, "prompt_lookup": prompt_lookup,
+            "draft_weight_format": draft_weight_format, "adaptive_lookahead": False}  # exactly K drafts a round
+    if method == "eagle3":
+        spec["draft_weight_format"] = "auto"
+    llm = LLM(model=target, dtype=dtype, kv_cache_memory="512MiB", speculative_config=spec)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     before = llm.stats.num_drafts, llm.stats.num_emitted_tokens
@@ -69,6 +72,8 @@ def main() -> None:
     ap.add_argument("--prompt-lookup", action="store_true",
                     help="let prompt lookup replace drafts (the engine's default); off measures the model alone")
     ap.add_argument("--draft-weight-format", default="auto", help="the draft's weights (ssd/models/weight_formats.py)")
+    ap.add_argument("--method", default="draft_model", choices=["draft_model", "eagle3"],
+                    help="eagle3: --draft is an EAGLE-3 head (train/eagle3_head.py)")
     ap.add_argument("--timing", action="store_true", help="also time target and draft decode steps")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads; 1 is several times faster than 2 on the shared, loaded 2-core machine")
@@ -92,15 +97,15 @@ def main() -> None:
             sets[name] = [tok.encode(p) for p in read_humaneval(humaneval_file(), args.num)]
         else:
             raise SystemExit(f"unknown prompt set {name!r}; choose from humaneval_style, chat, humaneval")
-    summary: dict = {"draft": args.draft, "k": args.k, "max_tokens": args.max_tokens, "dtype": args.dtype,
-                     "prompt_lookup": args.prompt_lookup, "draft_weight_format": args.draft_weight_format}
+    summary: dict = {"draft": args.draft, "method": args.method, "k": args.k, "max_tokens": args.max_tokens,
+                     "dtype": args.dtype, "prompt_lookup": args.prompt_lookup, "draft_weight_format": args.draft_weight_format}
     from ssd.models.draft_vocab import DraftVocab
 
     vocab = DraftVocab.load(args.draft)
     known = set(vocab.draft_to_target.tolist()) if vocab is not None else None
     for name, prompts in sets.items():
         mal, outs, wall = run_sd(target, args.draft, prompts, args.k, args.max_tokens, args.dtype, args.prompt_lookup,
-                                 args.draft_weight_format)
+                                 args.draft_weight_format, args.method)
         toks = [t for o in outs for t in o]
         cover = sum(t in known for t in toks) / len(toks) if known is not None else 1.0
         print(f"{name}: mean acceptance length {mal:.3f} ({wall:.1f} s, {len(toks)} tokens, "
