@@ -14,7 +14,9 @@ pending):
 3. forget the rows of step 2 (the mirror's count goes back to n): next round the target's features of the
    tokens it accepted replace them.
 
-Rows are batched over sequences in every step. Positions the target did not compute (its prefix cache served
+With prompt lookup on (``prompt_lookup``), a draft position where the context repeats takes the copied token
+with a one-hot q instead of the head's draw; the head still runs that row, whose output is the next row's
+feature. Rows are batched over sequences in every step. Positions the target did not compute (its prefix cache served
 them) have no features: the head reads zeros there, which costs acceptance, never exactness. Exactness comes
 from verification, as for every proposer: each draft's q is the processed distribution it was drawn from.
 """
@@ -31,7 +33,9 @@ from ssd.core.sequence import Sequence
 from ssd.models.attention_layout import build_step_tensors
 from ssd.models.eagle3 import Eagle3Head
 from ssd.runtime.forward_items import ForwardItem, flatten_items
+from ssd.options import LookupConfig
 from ssd.speculative.drafting import DraftDistribution
+from ssd.speculative.lookup import PromptLookup, copied_token, new_lookup
 from ssd.speculative.proposal import DraftStatistics, Proposal, ProposalRequest, VerifiedRound
 
 logger = logging.getLogger(__name__)
@@ -47,8 +51,11 @@ class Eagle3Proposer:
         distribution: DraftDistribution,
         default_generator: torch.Generator,
         device: torch.device | str = "cpu",
+        lookup: LookupConfig | None = None,
     ) -> None:
         self.head = head
+        self.lookup = lookup or LookupConfig(enabled=False)
+        self.lookups: dict[int, PromptLookup | None] = {}  # per sequence, over its token list
         self.feature_layers = feature_layers  # the target layers whose entering hidden states the head reads
         self.block_size = block_size
         self.device = torch.device(device)
@@ -104,6 +111,7 @@ class Eagle3Proposer:
         if mirror is None:
             mirror = Sequence(seq.seq_id, seq.prompt_token_ids, seq.sampling_params, token_ids=seq.token_ids)
             self.mirrors[seq.seq_id] = mirror
+            self.lookups[seq.seq_id] = new_lookup(self.lookup, seq.token_ids)
         return mirror
 
     def _run(self, items: list[ForwardItem], features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,16 +129,21 @@ class Eagle3Proposer:
         ready = [i for i, n in enumerate(num_drafts) if n > 0]
         width = max(num_drafts)
         if len(ready) == len(requests):
-            return Proposal(*self._draft(requests, width), num_drafts)
+            tokens, probs, copied = self._draft(requests, width)
+            return Proposal(tokens, probs, num_drafts, copied=copied)
         tokens = torch.zeros(len(requests), width, dtype=torch.long, device=self.device)  # [B, K]
         probs = torch.zeros(len(requests), width, self.distribution.target_vocab_size, device=self.device)
+        copied = torch.zeros(len(requests), width, dtype=torch.bool)  # [B, K]
         if ready:
             index = torch.tensor(ready, device=self.device)
-            tokens[index], probs[index] = self._draft([requests[i] for i in ready], width)
-        return Proposal(tokens, probs, num_drafts)
+            tokens[index], probs[index], copied[index] = self._draft([requests[i] for i in ready], width)
+        return Proposal(tokens, probs, num_drafts, copied=copied)
 
-    def _draft(self, requests: list[ProposalRequest], width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The three steps of a round for these requests: drafts ``[R, width]`` and their q ``[R, width, V]``."""
+    def _draft(
+        self, requests: list[ProposalRequest], width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The three steps of a round for these requests: drafts ``[R, width]``, their q ``[R, width, V]`` and
+        which prompt lookup copied ``[R, width]``."""
         mirrors = [self._mirror(r.seq) for r in requests]
         ends = [r.seq.num_computed_tokens for r in requests]  # rows 0..end-1 read the target's features
         items, feature_rows = [], []
@@ -148,6 +161,9 @@ class Eagle3Proposer:
         num_drafts = [r.num_drafts for r in requests]
         tokens_out = torch.zeros(len(requests), width, dtype=torch.long, device=self.device)  # [R, K]
         probs_out = torch.zeros(len(requests), width, self.distribution.target_vocab_size, device=self.device)
+        copied = torch.zeros(len(requests), width, dtype=torch.bool)  # [R, K]
+        lookups = [self.lookups.get(r.seq.seq_id) for r in requests]
+        drafted: list[list[int]] = [[] for _ in requests]
         active = list(range(len(requests)))
         for step in range(max(num_drafts)):
             active = [i for i in active if num_drafts[i] > step]
@@ -157,10 +173,14 @@ class Eagle3Proposer:
                 out, _ = self._run(items, features[active])
                 features[active] = out
             logits = self.head.compute_logits(features[active])  # [R, Vd]
+            forced = [copied_token(lookups[i], drafted[i]) for i in active]
             tokens, probs = self.distribution.draw(
                 logits, [requests[i].seq.sampling_params for i in active], [requests[i].generator for i in active],
-                self.default_generator,
+                self.default_generator, forced=forced,
             )
+            for i, token, copy in zip(active, tokens.tolist(), forced):
+                drafted[i].append(token)
+                copied[i, step] = copy is not None
             rows = torch.tensor(active, device=self.device)
             tokens_out[rows, step] = tokens
             if probs is None:
@@ -170,7 +190,7 @@ class Eagle3Proposer:
         for r, mirror, end in zip(requests, mirrors, ends):
             mirror.num_computed_tokens = end  # step 2's rows are dropped: the target's features replace them
             self._forget_features(r.seq.seq_id, end)
-        return tokens_out, probs_out
+        return tokens_out, probs_out, copied
 
     def _forget_features(self, seq_id: int, end: int) -> None:
         held = self.features.get(seq_id)
@@ -187,6 +207,7 @@ class Eagle3Proposer:
     def release(self, seq: Sequence) -> None:
         mirror = self.mirrors.pop(seq.seq_id, None)
         self.features.pop(seq.seq_id, None)
+        self.lookups.pop(seq.seq_id, None)
         if mirror is not None:
             self.kv_manager.free(mirror)
 
@@ -195,3 +216,4 @@ class Eagle3Proposer:
             self.kv_manager.free(mirror)
         self.mirrors.clear()
         self.features.clear()
+        self.lookups.clear()

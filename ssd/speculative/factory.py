@@ -87,4 +87,4 @@ def _eagle3_proposer(
     K = spec.num_speculative_tokens
     distribution = DraftDistribution(target.vocab_size, target.vocab_size, head.draft_to_target.to(device))
     return Eagle3Proposer(head, layers, draft_num_blocks(config, target, K), config.block_size, distribution,
-                          default_generator, device)
+                          default_generator, device, spec.lookup)
