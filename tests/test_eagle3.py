@@ -13,7 +13,11 @@ from eagle3_utils import HEAD_SHAPE, make_eagle3_head
 from model_utils import PagedSession
 
 from ssd.models import cpu_fused
-from ssd.models.attention_layout import SequenceLayout, block_slots, build_attention_metadata
+from ssd.models.attention_layout import (
+    SequenceLayout,
+    block_slots,
+    build_attention_metadata,
+)
 from ssd.models.eagle3 import Eagle3Config, default_feature_layers, load_eagle3_head
 from ssd.models.loader import load_model
 

@@ -1,17 +1,18 @@
 """Speculative decoding with an EAGLE-3 head (``method="eagle3"``) is exact.
 
 Greedy tokens equal plain autoregressive decoding of the target for mixed-length batches, several K, adaptive
-lookahead, prompt lookup (on by default) or not, chunked prefill, preemption and prefix-cache hits. Two heads bound the acceptance: a random head
-(almost every draft rejected: one catch-up row a round) and, on a target whose LM head is zero (it always
-emits token 0), a head whose draft vocabulary starts at token 0 and whose LM head is zero too, so it always
-proposes 0 and every draft is accepted (K + 1 catch-up rows a round, the target's features of accepted drafts).
-Sampled outputs follow the target's distribution (chi-square on the first tokens, as for the other methods).
+lookahead, prompt lookup (on by default) or not, chunked prefill, preemption and prefix-cache hits. Two heads bound
+the acceptance: a random head (almost every draft rejected: one catch-up row a round) and, on a target whose LM
+head is zero (it always emits token 0), a head whose draft vocabulary starts at token 0 and whose LM head is zero
+too, so it always proposes 0 and every draft is accepted (K + 1 catch-up rows a round, the target's features of
+accepted drafts). Sampled outputs follow the target's distribution (chi-square on the first tokens, as for the
+other methods).
 """
 
 from __future__ import annotations
 
-import shutil
 import dataclasses
+import shutil
 from collections import Counter
 from pathlib import Path
 

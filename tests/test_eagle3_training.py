@@ -11,7 +11,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ssd.models.attention_layout import SequenceLayout, block_slots, build_attention_metadata
+from ssd.models.attention_layout import (
+    SequenceLayout,
+    block_slots,
+    build_attention_metadata,
+)
 from ssd.models.eagle3 import load_eagle3_head
 from ssd.models.loader import load_arch_config
 

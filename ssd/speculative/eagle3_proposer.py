@@ -32,11 +32,16 @@ from ssd.core.kv_cache_manager import KVCacheManager
 from ssd.core.sequence import Sequence
 from ssd.models.attention_layout import build_step_tensors
 from ssd.models.eagle3 import Eagle3Head
-from ssd.runtime.forward_items import ForwardItem, flatten_items
 from ssd.options import LookupConfig
+from ssd.runtime.forward_items import ForwardItem, flatten_items
 from ssd.speculative.drafting import DraftDistribution
 from ssd.speculative.lookup import PromptLookup, copied_token, new_lookup
-from ssd.speculative.proposal import DraftStatistics, Proposal, ProposalRequest, VerifiedRound
+from ssd.speculative.proposal import (
+    DraftStatistics,
+    Proposal,
+    ProposalRequest,
+    VerifiedRound,
+)
 
 logger = logging.getLogger(__name__)
 
