@@ -139,12 +139,15 @@ def placements(args: argparse.Namespace, modes: tuple[str, ...] = MODES
 
 def speculative_config(mode: str, args: argparse.Namespace, draft: str) -> dict[str, Any] | None:
     """The engine's ``speculative_config`` for a mode name: ``ar``, ``sd``, ``sd-adaptive``, ``ngram`` (prompt
-    lookup alone, no draft model), ``ssd-<fallback>`` or ``ssd-adaptive`` (the auto fallback with an adaptive
-    lookahead)."""
+    lookup alone, no draft model), ``eagle3`` (SD with ``args.eagle3_head``), ``ssd-<fallback>`` or
+    ``ssd-adaptive`` (the auto fallback with an adaptive lookahead)."""
     if mode == "ar":
         return None
     if mode == "ngram":
         return {"method": "ngram", "num_speculative_tokens": args.k, "adaptive_lookahead": False}
+    if mode == "eagle3":  # SD with an EAGLE-3 head instead of a draft model, a fixed K like sd
+        return {"method": "eagle3", "model": args.eagle3_head, "num_speculative_tokens": args.k,
+                "prompt_lookup": getattr(args, "prompt_lookup", True), "adaptive_lookahead": False}
     common = {"model": draft, "num_speculative_tokens": args.k, "prompt_lookup": getattr(args, "prompt_lookup", True),
               "draft_weight_format": args.draft_weight_format}
     if mode == "sd":  # a fixed K at every batch size (the engine's default "auto" adapts K)

@@ -57,7 +57,10 @@ from suite_summary import (  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DRAFT = REPO / "models" / "smollm2-draft"
-ALL_MODES = ("ar", "sd", "sd-adaptive", "ngram", "ssd-jit", "ssd-random", "ssd-auto", "ssd-adaptive")
+DEFAULT_EAGLE3 = REPO / "models" / "smollm2-eagle3"
+ALL_MODES = ("ar", "sd", "sd-adaptive", "ngram", "eagle3", "ssd-jit", "ssd-random", "ssd-auto", "ssd-adaptive")
+# eagle3 runs by default where its head is present (it is committed; a checkout without it skips the mode)
+DEFAULT_MODES = tuple(m for m in ALL_MODES if m != "eagle3" or DEFAULT_EAGLE3.is_dir())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,6 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", default=None, help="target checkpoint folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--draft", default=None,
                    help=f"draft checkpoint folder (default: {DEFAULT_DRAFT.relative_to(REPO)}, else the target)")
+    p.add_argument("--eagle3-head", default=str(DEFAULT_EAGLE3),
+                   help="EAGLE-3 head of mode eagle3 (default: models/smollm2-eagle3, trained by train/eagle3_head.py)")
     p.add_argument("--datasets", default="humaneval,chat", help=f"comma-separated subset of {','.join(DATASETS)}")
     p.add_argument("--random", action="store_true", help="add the random-token-id prompt set")
     p.add_argument("--num-prompts", type=int, default=4, help="prompts per prompt set")
@@ -79,7 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_filler_padding_arg(p)
     p.add_argument("--no-prompt-lookup", dest="prompt_lookup", action="store_false",
                    help="SD and SSD draft with the model only (default: prompt lookup copies where it can)")
-    p.add_argument("--modes", default=",".join(ALL_MODES), help=f"subset of {','.join(ALL_MODES)} (ar and sd required)")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"subset of {','.join(ALL_MODES)} (ar and sd required)")
     p.add_argument("--headline-ssd", default="ssd-auto", help="SSD mode whose ratios go into latest.json (default: the engine's default fallback)")
     p.add_argument("--target-threads", type=int, default=1, help="target threads in the extra-device layout")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"subset of {','.join(LAYOUTS)}")
@@ -428,8 +434,8 @@ def report(result: dict[str, Any]) -> None:
         keys = ["exact", "exact_main_dtype", "exact_main_dtype_min_agreeing_prefix", "sd_mean_acceptance_length",
                 "ssd_mean_acceptance_length", "ssd_cache_hit_rate", "ssd_over_ar", "ssd_over_sd", "sd_over_ar",
                 "ssd_over_best_same_hardware", "sd_over_hf_assisted", "ssd_over_hf_assisted", "hf_assisted_over_hf",
-                "ngram_mean_acceptance_length", "ngram_over_ar", "ssd_over_ngram", "perfect_ssd_over_sd",
-                "perfect_ssd_over_ar"]
+                "ngram_mean_acceptance_length", "ngram_over_ar", "ssd_over_ngram", "eagle3_mean_acceptance_length",
+                "eagle3_over_ar", "eagle3_over_sd", "perfect_ssd_over_sd", "perfect_ssd_over_ar"]
         rows = [[k, head[k], *[head["by_dataset"][ds].get(k) for ds in head["by_dataset"]]] for k in keys]
         print_table(["headline", "all", *head["by_dataset"]], rows,
                     title=f"headline: batch {head['batch_size']}, SSD = {head['ssd_mode']} (ratios: paired medians, "

@@ -130,6 +130,10 @@ def dataset_headline(repeats: Sequence[TokS], rows: dict[str, dict[str, dict[str
         "ngram_mean_acceptance_length": extra.get("ngram", {}).get("mean_acceptance_length"),
         "ngram_over_ar": paired(repeats, run_key(EXTRA, "ngram", batch), [run_key(EXTRA, "ar", batch)]),
         "ssd_over_ngram": paired(repeats, run_key(EXTRA, ssd_mode, batch), [run_key(EXTRA, "ngram", batch)]),
+        # SD with an EAGLE-3 head, when the run has it
+        "eagle3_mean_acceptance_length": extra.get("eagle3", {}).get("mean_acceptance_length"),
+        "eagle3_over_ar": paired(repeats, run_key(EXTRA, "eagle3", batch), [run_key(EXTRA, "ar", batch)]),
+        "eagle3_over_sd": paired(repeats, run_key(EXTRA, "eagle3", batch), [run_key(EXTRA, "sd", batch)]),
         "ssd_over_best_same_hardware": paired(repeats, run_key(SAME, ssd_mode, batch),
                                               [run_key(SAME, "ar", batch), run_key(SAME, "sd", batch)]),
         "sd_over_hf_assisted": None,
@@ -172,10 +176,10 @@ def perfect_ssd(rows: dict[str, dict[str, Any]], batch: int) -> dict[str, float 
 
 
 RATIO_KEYS = ("ssd_over_ar", "ssd_over_sd", "sd_over_ar", "ssd_over_best_same_hardware", "sd_over_hf_assisted",
-              "ssd_over_hf_assisted", "hf_assisted_over_hf", "ngram_over_ar", "ssd_over_ngram", "perfect_ssd_over_sd",
-              "perfect_ssd_over_ar")
+              "ssd_over_hf_assisted", "hf_assisted_over_hf", "ngram_over_ar", "ssd_over_ngram", "eagle3_over_ar",
+              "eagle3_over_sd", "perfect_ssd_over_sd", "perfect_ssd_over_ar")
 RATE_KEYS = ("sd_mean_acceptance_length", "ssd_mean_acceptance_length", "ssd_cache_hit_rate",
-             "ngram_mean_acceptance_length")
+             "ngram_mean_acceptance_length", "eagle3_mean_acceptance_length")
 
 
 def headline(by_dataset: dict[str, dict[str, Any]], exact: bool | None, exact_basis: str,

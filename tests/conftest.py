@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from checkpoints import make_checkpoint
 
 if not torch.cuda.is_available():
@@ -36,3 +35,15 @@ def checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
         return cache[key]
 
     return factory
+
+
+@pytest.fixture(scope="session")
+def default_target() -> str:
+    """The project's default target (SmolLM2-135M-Instruct), fetched once; the test skips where it cannot be."""
+    from ssd.models.fetch import FetchError, fetch_default_target
+
+    try:
+        return str(fetch_default_target())
+    except FetchError as exc:
+        pytest.skip(f"the default target SmolLM2-135M-Instruct cannot be fetched here: {exc}")
+

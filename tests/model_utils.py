@@ -11,8 +11,18 @@ import random
 
 import torch
 
-from ssd.models.attention_layout import SequenceLayout, block_slots, build_attention_metadata
+from ssd.models.attention_layout import (
+    SequenceLayout,
+    block_slots,
+    build_attention_metadata,
+)
 from ssd.models.decoder import DecoderLM
+
+# One code stub and one chat request for the committed default models' checks (tests/test_default_*.py).
+DEFAULT_MODEL_PROMPTS = (
+    'def is_odd(n: int) -> bool:\n    """Return True if n is odd.\n    >>> is_odd(3)\n    True\n    """\n',
+    "What is the largest planet in the solar system?",
+)
 
 
 class PagedSession:

@@ -9,27 +9,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
+from model_utils import DEFAULT_MODEL_PROMPTS
 
 from ssd.models.draft_vocab import DraftVocab
 
 DRAFT = Path(__file__).resolve().parent.parent / "models" / "smollm2-draft"
-PROMPTS = [
-    'def is_odd(n: int) -> bool:\n    """Return True if n is odd.\n    >>> is_odd(3)\n    True\n    """\n',
-    "What is the largest planet in the solar system?",
-]
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def target() -> str:
-    from ssd.models.fetch import FetchError, fetch_default_target
-
-    try:
-        return str(fetch_default_target())
-    except FetchError as exc:
-        pytest.skip(f"the default target SmolLM2-135M-Instruct cannot be fetched here: {exc}")
 
 
 def test_draft_folder_is_complete() -> None:
@@ -43,19 +29,20 @@ def test_draft_folder_is_complete() -> None:
     assert 2 in vocab.draft_to_target  # <|im_end|>: the draft can end a chat turn
 
 
-def test_sd_with_default_draft_is_exact_and_accepts(target: str) -> None:
+def test_sd_with_default_draft_is_exact_and_accepts(default_target: str) -> None:
     from ssd import LLM, SamplingParams
 
     # float32 and batch 1 on both sides: exactness is then not at the mercy of bf16 near-ties between a
     # one-token decode step and a K+1-token verification pass.
     torch.manual_seed(0)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    ar = LLM(model=target, dtype="float32", kv_cache_memory="256MiB")
-    prompts = [ar.tokenizer.encode(PROMPTS[0]), ar.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[1]}])]
+    ar = LLM(model=default_target, dtype="float32", kv_cache_memory="256MiB")
+    prompts = [ar.tokenizer.encode(DEFAULT_MODEL_PROMPTS[0]),
+               ar.tokenizer.apply_chat_template([{"role": "user", "content": DEFAULT_MODEL_PROMPTS[1]}])]
     expected = [ar.generate(p, params)[0].token_ids for p in prompts]
     ar.shutdown()
     sd = LLM(
-        model=target,
+        model=default_target,
         dtype="float32",
         kv_cache_memory="256MiB",
         speculative_config={"method": "draft_model", "model": str(DRAFT), "num_speculative_tokens": 4},

@@ -206,7 +206,7 @@ def _loss(model, tokens, feats, labels, steps):
         losses.append(F.cross_entropy(lg[mask], lb[mask]) if mask.any() else lg.sum() * 0)
         accs.append(float((lg.argmax(-1) == lb)[mask].float().mean()) if mask.any() else 0.0)
     total = sum(0.8**j * loss for j, loss in enumerate(losses))
-    return total, [float(x) for x in losses], accs
+    return total, [float(x.detach()) for x in losses], accs
 
 
 def stage_train(out: Path, args: argparse.Namespace) -> None:

@@ -36,14 +36,17 @@ def run_sd(target: str, draft: str, prompts: list, k: int, max_tokens: int, dtyp
     llm = LLM(model=target, dtype=dtype, kv_cache_memory="512MiB", speculative_config=spec)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4))  # warm-up
-    before = llm.stats.num_drafts, llm.stats.num_emitted_tokens
+    before = llm.stats.num_drafts, llm.stats.num_emitted_tokens, list(llm.stats.num_accepted_tokens_per_pos)
     t0 = time.perf_counter()
     outs = [llm.generate(p, params)[0].token_ids for p in prompts]
     wall = time.perf_counter() - t0
     drafts = llm.stats.num_drafts - before[0]
     emitted = llm.stats.num_emitted_tokens - before[1]
+    after = list(llm.stats.num_accepted_tokens_per_pos)
+    start = before[2] + [0] * (len(after) - len(before[2]))  # the warm-up may not have reached every depth
+    per_depth = [(a - b) / max(drafts, 1) for a, b in zip(after, start)]
     llm.shutdown()
-    return emitted / max(drafts, 1), outs, wall
+    return emitted / max(drafts, 1), outs, wall, per_depth
 
 
 def step_time(model: str, prompt: list[int], n: int, dtype: str) -> float:
@@ -98,19 +101,22 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown prompt set {name!r}; choose from humaneval_style, chat, humaneval")
     summary: dict = {"draft": args.draft, "method": args.method, "k": args.k, "max_tokens": args.max_tokens,
-                     "dtype": args.dtype, "prompt_lookup": args.prompt_lookup, "draft_weight_format": args.draft_weight_format}
+                     "dtype": args.dtype, "prompt_lookup": args.prompt_lookup,
+                     "draft_weight_format": args.draft_weight_format}
     from ssd.models.draft_vocab import DraftVocab
 
     vocab = DraftVocab.load(args.draft)
     known = set(vocab.draft_to_target.tolist()) if vocab is not None else None
     for name, prompts in sets.items():
-        mal, outs, wall = run_sd(target, args.draft, prompts, args.k, args.max_tokens, args.dtype, args.prompt_lookup,
-                                 args.draft_weight_format, args.method)
+        mal, outs, wall, per_depth = run_sd(target, args.draft, prompts, args.k, args.max_tokens, args.dtype,
+                                            args.prompt_lookup, args.draft_weight_format, args.method)
         toks = [t for o in outs for t in o]
         cover = sum(t in known for t in toks) / len(toks) if known is not None else 1.0
         print(f"{name}: mean acceptance length {mal:.3f} ({wall:.1f} s, {len(toks)} tokens, "
               f"draft vocabulary covers {cover:.4f} of them)", flush=True)
+        print(f"  rounds accepting at least j drafts, j = 1..K: {[round(x, 3) for x in per_depth]}", flush=True)
         summary[name] = round(mal, 3)
+        summary[name + "_accepted_by_depth"] = [round(x, 3) for x in per_depth]
         summary[name + "_vocab_coverage"] = round(cover, 4)
     if args.timing:
         p = (sets["chat"] if "chat" in sets else next(iter(sets.values())))[0]
