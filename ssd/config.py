@@ -135,9 +135,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_config needs 'model': the path of the draft checkpoint")
         if self.method is SpecMethod.EAGLE3:
             self.draft_weight_format = WeightFormat.parse(self.draft_weight_format, "draft_weight_format")
-            if self.draft_weight_format not in (WeightFormat.AUTO, WeightFormat.DENSE):
-                raise ValueError(f"an EAGLE-3 head runs dense in draft_dtype; draft_weight_format "
-                                 f"{self.draft_weight_format.value!r} does not apply (leave it auto or dense)")
+            if self.draft_weight_format is WeightFormat.GGUF:
+                raise ValueError("an EAGLE-3 head has no GGUF blocks; draft_weight_format 'gguf' does not apply")
         K = self.num_speculative_tokens
         if not is_int(K) or K < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {K!r}")

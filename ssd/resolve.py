@@ -15,7 +15,7 @@ from ssd.config import EngineConfig
 from ssd.dtypes import resolve_dtype
 from ssd.models.loader import stores_blocks
 from ssd.models.weight_formats import resolve_weight_format
-from ssd.options import Dtype, FillerPadding, SpecMethod, WeightFormat
+from ssd.options import Dtype, FillerPadding
 
 
 def resolve_config(config: EngineConfig) -> EngineConfig:
@@ -29,15 +29,11 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
     if spec is not None:
         draft_device = spec.draft_device or config.device
         draft_dtype = resolve_dtype(spec.draft_dtype or config.dtype, draft_device)
-        if spec.method is SpecMethod.EAGLE3:  # a head runs dense
-            draft_format = WeightFormat.DENSE
-        else:
-            draft_format = resolve_weight_format(spec.draft_weight_format, draft_device, draft_dtype, draft=True,
-                                                 stored_blocks=stores_blocks(spec.model))
         spec = replace(
             spec,
             draft_dtype=draft_dtype,
-            draft_weight_format=draft_format,
+            draft_weight_format=resolve_weight_format(spec.draft_weight_format, draft_device, draft_dtype, draft=True,
+                                                      stored_blocks=stores_blocks(spec.model)),
             filler_padding=resolve_filler_padding(spec.filler_padding, config.device),
         )
     return replace(config, dtype=dtype, weight_format=weight_format, speculative_config=spec)

@@ -116,6 +116,8 @@ def test_greedy_eagle3_equals_ar(paths, ar_greedy, pair, k):
     dict(kv_cache_memory="640KiB"),  # too few blocks for every sequence: preemption and recompute
     dict(spec={"prompt_step_speculation": True}),  # a prompt's step asks for drafts the head cannot make yet
     dict(spec={"prompt_lookup": False}),  # the head's drafts alone
+    dict(spec={"draft_weight_format": "dense"}),  # the default, auto, packs the head as a draft model's weights
+    dict(spec={"draft_weight_format": "fp16-packed"}),
 ])
 def test_greedy_eagle3_with_engine_features(paths, ar_greedy, options):
     for target, head in (("target", "random_head"), ("constant", "agreeing_head")):
@@ -138,8 +140,8 @@ def test_eagle3_config_errors(paths, tmp_path):
 
     with pytest.raises(ValueError, match="needs 'model'"):
         SpeculativeConfig(method="eagle3")
-    with pytest.raises(ValueError, match="an EAGLE-3 head runs dense"):
-        SpeculativeConfig(method="eagle3", model=paths["random_head"], draft_weight_format="q8_0")
+    with pytest.raises(ValueError, match="an EAGLE-3 head has no GGUF blocks"):
+        SpeculativeConfig(method="eagle3", model=paths["random_head"], draft_weight_format="gguf")
     wide = make_eagle3_head(tmp_path / "wide", vocab_size=VOCAB, target_hidden_size=96, feature_layers=LAYERS)
     with pytest.raises(ValueError, match="reads hidden states of size 96, the target's are 64"):
         make_llm(paths["target"], str(wide))

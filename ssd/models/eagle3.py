@@ -41,11 +41,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ssd.models.arch import ModelArchConfig
 from ssd.models.attention import AttentionMetadata, KVCache
-from ssd.models.layers import MLP, Attention, RMSNorm
+from ssd.models.layers import MLP, Attention, MergedLinear, RMSNorm
+from ssd.models.parallel import LinearProduct
 from ssd.models.rope import RotaryEmbedding
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -117,7 +119,7 @@ class Eagle3Head(nn.Module):
         arch = cfg.arch
         self.config = cfg
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, arch.hidden_size, bias=False, dtype=dtype)
+        self.fc = MergedLinear(3 * cfg.target_hidden_size, {"fc": arch.hidden_size}, bias=False, dtype=dtype)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.hidden_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.self_attn = Attention(arch, dtype, input_size=2 * arch.hidden_size)
@@ -125,12 +127,18 @@ class Eagle3Head(nn.Module):
         self.mlp = MLP(arch, dtype)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.lm_head = nn.Linear(arch.hidden_size, cfg.draft_vocab_size, bias=False, dtype=dtype)
+        # the LM head's product: a packed one after ssd.models.weight_formats.pack_weights, as for a draft model
+        self.head_matmul: LinearProduct = F.linear
         self.rotary = RotaryEmbedding(arch.head_dim, arch.rope_theta, arch.rope_scaling)
         self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size), persistent=False)  # [Vd]
 
     @property
     def num_layers(self) -> int:
         return 1
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.lm_head.weight
 
     def allocate_kv_caches(self, num_blocks: int, block_size: int, device: torch.device | str = "cpu") -> list[KVCache]:
         attn = self.self_attn
@@ -162,7 +170,7 @@ class Eagle3Head(nn.Module):
 
     def compute_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Float32 logits over the draft vocabulary ``[N, Vd]`` (:attr:`draft_to_target` maps ids)."""
-        return self.lm_head(self.norm(features)).float()
+        return self.head_matmul(self.norm(features), self.head_weight, None).float()
 
 
 def load_eagle3_head(

@@ -75,6 +75,8 @@ def _eagle3_proposer(
 ) -> Proposer:
     from ssd.dtypes import torch_dtype
     from ssd.models.eagle3 import load_eagle3_head
+    from ssd.models.weight_formats import pack_weights
+    from ssd.options import PACKED_WEIGHT_FORMATS
     from ssd.speculative.eagle3_proposer import Eagle3Proposer
 
     spec = config.spec
@@ -84,6 +86,8 @@ def _eagle3_proposer(
     head, layers = load_eagle3_head(spec.model, runner.arch, torch_dtype(spec.draft_dtype),
                                     target_embedding=runner.model.embed_tokens.weight)
     head.to(device)
+    if spec.draft_weight_format in PACKED_WEIGHT_FORMATS:  # as a draft model's: fewer bytes a draft step reads
+        pack_weights(head, spec.draft_weight_format)
     K = spec.num_speculative_tokens
     distribution = DraftDistribution(target.vocab_size, target.vocab_size, head.draft_to_target.to(device))
     return Eagle3Proposer(head, layers, draft_num_blocks(config, target, K), config.block_size, distribution,
