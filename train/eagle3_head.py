@@ -38,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT))
 from prompt_gen import all_prompts, generation_order  # noqa: E402
 
+from ssd.models.rope import RotaryEmbedding, apply_rope  # noqa: E402
+
 logger = logging.getLogger("eagle3_head")
 DEFAULT_OUT = ROOT / "train" / "data" / "eagle3"
 
@@ -122,14 +124,10 @@ class HeadTrainer(torch.nn.Module):
             "lm_head": torch.nn.Parameter(target_state["model.embed_tokens.weight"][draft_ids].clone()),
         })
         self.register_buffer("embed", target_state["model.embed_tokens.weight"], persistent=False)  # frozen
-        from ssd.models.rope import RotaryEmbedding
-
         self.rotary = RotaryEmbedding(self.head_dim, cfg["rope_theta"], None)
         self.eps = cfg["rms_norm_eps"]
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # x [B, T, heads, d]
-        from ssd.models.rope import apply_rope
-
         cos, sin = self.rotary.cos_sin(positions, x.dtype)  # [T, 1, d/2]
         b, t, n, d = x.shape
         return apply_rope(x.transpose(0, 1).reshape(t, b * n, d), cos, sin).reshape(t, b, n, d).transpose(0, 1)

@@ -25,14 +25,12 @@ sys.path.insert(0, str(ROOT))
 def run_sd(target: str, draft: str, prompts: list, k: int, max_tokens: int, dtype: str,
            prompt_lookup: bool = False, draft_weight_format: str = "auto",
            method: str = "draft_model") -> tuple[float, list[list[int]], float]:
-    """(mean acceptance length, outputs, wall seconds) over prompts run one at a time (batch 1); ``method``
-    ``eagle3`` measures an EAGLE-3 head (``draft`` is its folder; it drafts without prompt lookup)."""
+    """(mean acceptance length, outputs, wall seconds, share of rounds accepting at least j drafts) over prompts
+    run one at a time (batch 1); ``method`` ``eagle3`` measures an EAGLE-3 head (``draft`` is its folder)."""
     from ssd import LLM, SamplingParams
 
     spec = {"method": method, "model": draft, "num_speculative_tokens": k, "prompt_lookup": prompt_lookup,
             "draft_weight_format": draft_weight_format, "adaptive_lookahead": False}  # exactly K drafts a round
-    if method == "eagle3":
-        spec["draft_weight_format"] = "auto"
     llm = LLM(model=target, dtype=dtype, kv_cache_memory="512MiB", speculative_config=spec)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4))  # warm-up

@@ -31,7 +31,7 @@ from ssd.models.row_attention import available as row_attention_available
 from ssd.models.weight_formats import pack_weights
 from ssd.options import ACTIVATION_QUANTIZED_FORMATS, PACKED_WEIGHT_FORMATS, WeightFormat
 from ssd.runtime.cuda_graphs import GraphRunner, GraphRunnerConfig
-from ssd.runtime.forward_items import ForwardItem, flatten_items
+from ssd.runtime.forward_items import FlatStep, ForwardItem, flatten_items
 from ssd.runtime.memory import available_memory_bytes
 
 if TYPE_CHECKING:
@@ -186,12 +186,12 @@ class ModelRunner:
             raise self.tp.failure_error(err) from err
 
     def _forward(self, items: list[ForwardItem]) -> torch.Tensor | None:
+        flat = flatten_items(items, self.block_size)
         if self.graph_runner is not None:
-            flat = flatten_items(items, self.block_size)
             logits = self.graph_runner.run(flat.token_ids, flat.positions, flat.layouts, flat.logit_rows)
             if logits is not None:  # None: no bucket fits
                 return logits  # [N, V] float32
-        return self._eager(items, ())[0]
+        return self._eager(flat, ())[0]
 
     def forward_with_features(
         self, items: list[ForwardItem], layers: Sequence[int]
@@ -201,11 +201,9 @@ class ModelRunner:
         EAGLE-3 head reads; :meth:`ssd.models.decoder.DecoderLM.forward_features`). Eager, on one rank."""
         if self.tp is not None:
             raise ValueError("the target's features are not gathered under tensor parallelism yet")
-        logits, features = self._eager(items, layers)
-        return logits, features
+        return self._eager(flatten_items(items, self.block_size), layers)
 
-    def _eager(self, items: list[ForwardItem], layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        flat = flatten_items(items, self.block_size)
+    def _eager(self, flat: FlatStep, layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         step = build_step_tensors(flat.token_ids, flat.positions, flat.layouts, flat.logit_rows, self.device)
         step.meta.row_invariant = self.row_invariant_attention
         input_ids = step.input_ids if self._input_map is None else self._input_map[step.input_ids]  # [T] model ids

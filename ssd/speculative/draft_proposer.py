@@ -18,7 +18,7 @@ from ssd.core.sequence import Sequence
 from ssd.options import LookupConfig
 from ssd.runtime.model_runner import ModelRunner
 from ssd.speculative.drafting import DraftDistribution, draft_sequentially
-from ssd.speculative.lookup import PromptLookup, new_lookup
+from ssd.speculative.mirrors import DraftMirrors
 from ssd.speculative.proposal import DraftStatistics, Proposal, ProposalRequest, VerifiedRound
 
 logger = logging.getLogger(__name__)
@@ -37,9 +37,8 @@ class DraftModelProposer:
         self.kv_manager = kv_manager
         self.distribution = distribution
         self.default_generator = default_generator
-        self.lookup = lookup or LookupConfig(enabled=False)
-        self.mirrors: dict[int, Sequence] = {}
-        self.lookups: dict[int, PromptLookup | None] = {}  # per sequence, over its token list
+        self.drafts = DraftMirrors(kv_manager, lookup)
+        self.mirrors, self.lookups = self.drafts.mirrors, self.drafts.lookups
         self.computed: dict[int, int] = {}  # per sequence: tokens (own, then drafts) with K/V after proposing
         self.available = True
         self.failure: str | None = None
@@ -50,19 +49,9 @@ class DraftModelProposer:
     def prepare(self, seqs: list[Sequence]) -> None:
         """Nothing to overlap in-process: the draft catches up when it first proposes."""
 
-    def _mirror(self, seq: Sequence) -> Sequence:
-        mirror = self.mirrors.get(seq.seq_id)
-        if mirror is None:
-            # Shares the target's token list: appended tokens are visible without copying.
-            mirror = Sequence(seq.seq_id, seq.prompt_token_ids, seq.sampling_params, token_ids=seq.token_ids)
-            self.kv_manager.allocate_prefix(mirror)
-            self.mirrors[seq.seq_id] = mirror
-            self.lookups[seq.seq_id] = new_lookup(self.lookup, seq.token_ids)
-        return mirror
-
     @torch.inference_mode()
     def propose(self, requests: list[ProposalRequest]) -> Proposal:
-        mirrors = [self._mirror(r.seq) for r in requests]
+        mirrors = [self.drafts.mirror(r.seq) for r in requests]
         for mirror, r in zip(mirrors, requests):
             # Catch-up tokens plus K-1 drafts need slots (the last draft is never run through the draft).
             if not self.kv_manager.allocate_slots(mirror, mirror.num_uncomputed_tokens, r.num_drafts - 1):
@@ -95,15 +84,9 @@ class DraftModelProposer:
             self.kv_manager.trim(mirror)
 
     def release(self, seq: Sequence) -> None:
-        mirror = self.mirrors.pop(seq.seq_id, None)
-        self.lookups.pop(seq.seq_id, None)
+        self.drafts.release(seq.seq_id)
         self.computed.pop(seq.seq_id, None)
-        if mirror is not None:
-            self.kv_manager.free(mirror)
 
     def shutdown(self) -> None:
-        for mirror in self.mirrors.values():
-            self.kv_manager.free(mirror)
-        self.mirrors.clear()
-        self.lookups.clear()
+        self.drafts.clear()
         self.computed.clear()

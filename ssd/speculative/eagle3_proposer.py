@@ -35,7 +35,8 @@ from ssd.models.eagle3 import Eagle3Head
 from ssd.options import LookupConfig
 from ssd.runtime.forward_items import ForwardItem, flatten_items
 from ssd.speculative.drafting import DraftDistribution
-from ssd.speculative.lookup import PromptLookup, copied_token, new_lookup
+from ssd.speculative.lookup import copied_token
+from ssd.speculative.mirrors import DraftMirrors
 from ssd.speculative.proposal import (
     DraftStatistics,
     Proposal,
@@ -59,8 +60,6 @@ class Eagle3Proposer:
         lookup: LookupConfig | None = None,
     ) -> None:
         self.head = head
-        self.lookup = lookup or LookupConfig(enabled=False)
-        self.lookups: dict[int, PromptLookup | None] = {}  # per sequence, over its token list
         self.feature_layers = feature_layers  # the target layers whose entering hidden states the head reads
         self.block_size = block_size
         self.device = torch.device(device)
@@ -68,9 +67,10 @@ class Eagle3Proposer:
         # No prefix caching: a row's K/V depends on the token after its position, so the target's block hashes
         # do not name it.
         self.kv_manager = KVCacheManager(BlockPool(num_blocks, block_size, enable_prefix_caching=False))
+        self.drafts = DraftMirrors(self.kv_manager, lookup)  # a mirror's num_computed_tokens counts the head's rows
+        self.mirrors, self.lookups = self.drafts.mirrors, self.drafts.lookups
         self.distribution = distribution
         self.default_generator = default_generator
-        self.mirrors: dict[int, Sequence] = {}  # per sequence; num_computed_tokens counts the head's rows
         self.features: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (first position, [m, 3 Ht]) not yet run
         self.rows_without_features = 0  # rows the head ran on zeros (positions served by the target's prefix cache)
         self.available = True
@@ -111,14 +111,6 @@ class Eagle3Proposer:
         return out
 
     # ------------------------------------------------------------------ proposing
-    def _mirror(self, seq: Sequence) -> Sequence:
-        mirror = self.mirrors.get(seq.seq_id)
-        if mirror is None:
-            mirror = Sequence(seq.seq_id, seq.prompt_token_ids, seq.sampling_params, token_ids=seq.token_ids)
-            self.mirrors[seq.seq_id] = mirror
-            self.lookups[seq.seq_id] = new_lookup(self.lookup, seq.token_ids)
-        return mirror
-
     def _run(self, items: list[ForwardItem], features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over ``items`` with ``features [T, H]``: (outputs [T, H], rows of the items' last tokens)."""
         flat = flatten_items(items, self.block_size)
@@ -149,7 +141,7 @@ class Eagle3Proposer:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The three steps of a round for these requests: drafts ``[R, width]``, their q ``[R, width, V]`` and
         which prompt lookup copied ``[R, width]``."""
-        mirrors = [self._mirror(r.seq) for r in requests]
+        mirrors = [self.drafts.mirror(r.seq) for r in requests]
         ends = [r.seq.num_computed_tokens for r in requests]  # rows 0..end-1 read the target's features
         items, feature_rows = [], []
         for mirror, r, end in zip(mirrors, requests, ends):
@@ -210,15 +202,9 @@ class Eagle3Proposer:
                 self.kv_manager.trim(mirror)
 
     def release(self, seq: Sequence) -> None:
-        mirror = self.mirrors.pop(seq.seq_id, None)
+        self.drafts.release(seq.seq_id)
         self.features.pop(seq.seq_id, None)
-        self.lookups.pop(seq.seq_id, None)
-        if mirror is not None:
-            self.kv_manager.free(mirror)
 
     def shutdown(self) -> None:
-        for mirror in self.mirrors.values():
-            self.kv_manager.free(mirror)
-        self.mirrors.clear()
+        self.drafts.clear()
         self.features.clear()
-        self.lookups.clear()
