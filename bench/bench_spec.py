@@ -139,8 +139,8 @@ def placements(args: argparse.Namespace, modes: tuple[str, ...] = MODES
 
 def speculative_config(mode: str, args: argparse.Namespace, draft: str) -> dict[str, Any] | None:
     """The engine's ``speculative_config`` for a mode name: ``ar``, ``sd``, ``sd-adaptive``, ``ngram`` (prompt
-    lookup alone, no draft model), ``eagle3`` (SD with ``args.eagle3_head``), ``ssd-<fallback>`` or
-    ``ssd-adaptive`` (the auto fallback with an adaptive lookahead)."""
+    lookup alone, no draft model), ``eagle3`` (SD with ``args.eagle3_head``), ``ssd-<fallback>``, ``ssd-adaptive``
+    (the auto fallback with an adaptive lookahead) or ``ssd-eagle3`` (SSD with ``args.eagle3_head`` as the draft)."""
     if mode == "ar":
         return None
     if mode == "ngram":
@@ -148,6 +148,12 @@ def speculative_config(mode: str, args: argparse.Namespace, draft: str) -> dict[
     if mode == "eagle3":  # SD with an EAGLE-3 head instead of a draft model, a fixed K like sd
         return {"method": "eagle3", "model": args.eagle3_head, "num_speculative_tokens": args.k,
                 "prompt_lookup": getattr(args, "prompt_lookup", True), "adaptive_lookahead": False}
+    ssd_options = {"fan_out": args.fan_out, "saguaro_c": getattr(args, "saguaro_c", 1.0),
+                   "filler_padding": args.filler_padding}
+    if mode == "ssd-eagle3":  # SSD with the EAGLE-3 head as its draft, the engine's default (auto) fallback
+        return {"method": "ssd", "model": args.eagle3_head, "num_speculative_tokens": args.k,
+                "prompt_lookup": getattr(args, "prompt_lookup", True), "fallback": "auto", "adaptive_lookahead": False,
+                **ssd_options}
     common = {"model": draft, "num_speculative_tokens": args.k, "prompt_lookup": getattr(args, "prompt_lookup", True),
               "draft_weight_format": args.draft_weight_format}
     if mode == "sd":  # a fixed K at every batch size (the engine's default "auto" adapts K)
@@ -156,9 +162,7 @@ def speculative_config(mode: str, args: argparse.Namespace, draft: str) -> dict[
         return {"method": "draft_model", **common, "adaptive_lookahead": True}
     adaptive = mode == "ssd-adaptive"
     fallback = "auto" if adaptive else mode.split("-", 1)[1]
-    return {"method": "ssd", **common, "fan_out": args.fan_out, "fallback": fallback,
-            "saguaro_c": getattr(args, "saguaro_c", 1.0), "filler_padding": args.filler_padding,
-            "adaptive_lookahead": adaptive}
+    return {"method": "ssd", **common, "fallback": fallback, "adaptive_lookahead": adaptive, **ssd_options}
 
 
 def build_specs(args, target: str, draft: str, prompts, layouts) -> list[WorkerSpec]:

@@ -58,9 +58,11 @@ from suite_summary import (  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DRAFT = REPO / "models" / "smollm2-draft"
 DEFAULT_EAGLE3 = REPO / "models" / "smollm2-eagle3"
-ALL_MODES = ("ar", "sd", "sd-adaptive", "ngram", "eagle3", "ssd-jit", "ssd-random", "ssd-auto", "ssd-adaptive")
-# eagle3 runs by default where its head is present (it is committed; a checkout without it skips the mode)
-DEFAULT_MODES = tuple(m for m in ALL_MODES if m != "eagle3" or DEFAULT_EAGLE3.is_dir())
+ALL_MODES = ("ar", "sd", "sd-adaptive", "ngram", "eagle3", "ssd-jit", "ssd-random", "ssd-auto", "ssd-adaptive",
+             "ssd-eagle3")
+HEAD_MODES = ("eagle3", "ssd-eagle3")
+# the head's modes run by default where it is present (it is committed; a checkout without it skips them)
+DEFAULT_MODES = tuple(m for m in ALL_MODES if m not in HEAD_MODES or DEFAULT_EAGLE3.is_dir())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,7 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft", default=None,
                    help=f"draft checkpoint folder (default: {DEFAULT_DRAFT.relative_to(REPO)}, else the target)")
     p.add_argument("--eagle3-head", default=str(DEFAULT_EAGLE3),
-                   help="EAGLE-3 head of mode eagle3 (default: models/smollm2-eagle3, trained by train/eagle3_head.py)")
+                   help="EAGLE-3 head of modes eagle3 and ssd-eagle3 (default: models/smollm2-eagle3, trained by "
+                        "train/eagle3_head.py)")
     p.add_argument("--datasets", default="humaneval,chat", help=f"comma-separated subset of {','.join(DATASETS)}")
     p.add_argument("--random", action="store_true", help="add the random-token-id prompt set")
     p.add_argument("--num-prompts", type=int, default=4, help="prompts per prompt set")
@@ -132,7 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not {"ar", "sd"} <= set(args.modes):
         p.error("--modes must include ar and sd (every ratio is taken against them)")
     if args.headline_ssd not in args.modes:
-        args.headline_ssd = next((m for m in args.modes if m.startswith("ssd")), None)
+        args.headline_ssd = next((m for m in args.modes if m.startswith("ssd") and m not in HEAD_MODES), None)
     if min(args.k, args.num_prompts, args.repeats, args.target_threads, args.exact_num_prompts) < 1 or \
             args.output_len < 2 or args.temperature < 0:
         p.error("--k, --num-prompts, --repeats, --target-threads must be >= 1, --output-len >= 2, --temperature >= 0")
@@ -435,7 +438,8 @@ def report(result: dict[str, Any]) -> None:
                 "ssd_mean_acceptance_length", "ssd_cache_hit_rate", "ssd_over_ar", "ssd_over_sd", "sd_over_ar",
                 "ssd_over_best_same_hardware", "sd_over_hf_assisted", "ssd_over_hf_assisted", "hf_assisted_over_hf",
                 "ngram_mean_acceptance_length", "ngram_over_ar", "ssd_over_ngram", "eagle3_mean_acceptance_length",
-                "eagle3_over_ar", "eagle3_over_sd", "perfect_ssd_over_sd", "perfect_ssd_over_ar"]
+                "eagle3_over_ar", "eagle3_over_sd", "ssd_eagle3_mean_acceptance_length", "ssd_eagle3_cache_hit_rate",
+                "ssd_eagle3_over_eagle3", "ssd_eagle3_over_ar", "perfect_ssd_over_sd", "perfect_ssd_over_ar"]
         rows = [[k, head[k], *[head["by_dataset"][ds].get(k) for ds in head["by_dataset"]]] for k in keys]
         print_table(["headline", "all", *head["by_dataset"]], rows,
                     title=f"headline: batch {head['batch_size']}, SSD = {head['ssd_mode']} (ratios: paired medians, "

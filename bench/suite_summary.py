@@ -134,6 +134,12 @@ def dataset_headline(repeats: Sequence[TokS], rows: dict[str, dict[str, dict[str
         "eagle3_mean_acceptance_length": extra.get("eagle3", {}).get("mean_acceptance_length"),
         "eagle3_over_ar": paired(repeats, run_key(EXTRA, "eagle3", batch), [run_key(EXTRA, "ar", batch)]),
         "eagle3_over_sd": paired(repeats, run_key(EXTRA, "eagle3", batch), [run_key(EXTRA, "sd", batch)]),
+        # SSD with that head as its draft, when the run has it
+        "ssd_eagle3_mean_acceptance_length": extra.get("ssd-eagle3", {}).get("mean_acceptance_length"),
+        "ssd_eagle3_cache_hit_rate": extra.get("ssd-eagle3", {}).get("cache_hit_rate"),
+        "ssd_eagle3_over_eagle3": paired(repeats, run_key(EXTRA, "ssd-eagle3", batch),
+                                         [run_key(EXTRA, "eagle3", batch)]),
+        "ssd_eagle3_over_ar": paired(repeats, run_key(EXTRA, "ssd-eagle3", batch), [run_key(EXTRA, "ar", batch)]),
         "ssd_over_best_same_hardware": paired(repeats, run_key(SAME, ssd_mode, batch),
                                               [run_key(SAME, "ar", batch), run_key(SAME, "sd", batch)]),
         "sd_over_hf_assisted": None,
@@ -177,9 +183,11 @@ def perfect_ssd(rows: dict[str, dict[str, Any]], batch: int) -> dict[str, float 
 
 RATIO_KEYS = ("ssd_over_ar", "ssd_over_sd", "sd_over_ar", "ssd_over_best_same_hardware", "sd_over_hf_assisted",
               "ssd_over_hf_assisted", "hf_assisted_over_hf", "ngram_over_ar", "ssd_over_ngram", "eagle3_over_ar",
-              "eagle3_over_sd", "perfect_ssd_over_sd", "perfect_ssd_over_ar")
+              "eagle3_over_sd", "ssd_eagle3_over_eagle3", "ssd_eagle3_over_ar", "perfect_ssd_over_sd",
+              "perfect_ssd_over_ar")
 RATE_KEYS = ("sd_mean_acceptance_length", "ssd_mean_acceptance_length", "ssd_cache_hit_rate",
-             "ngram_mean_acceptance_length", "eagle3_mean_acceptance_length")
+             "ngram_mean_acceptance_length", "eagle3_mean_acceptance_length", "ssd_eagle3_mean_acceptance_length",
+             "ssd_eagle3_cache_hit_rate")
 
 
 def headline(by_dataset: dict[str, dict[str, Any]], exact: bool | None, exact_basis: str,

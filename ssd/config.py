@@ -61,7 +61,8 @@ class SpeculativeConfig:
         SpecMethod.DRAFT_MODEL, "draft_model (ordinary SD), ssd (the draft in its own process), ngram (prompt "
         "lookup alone, no draft model), or eagle3 (SD with an EAGLE-3 head: ssd/models/eagle3.py)",
         cli_default=SpecMethod.SSD)
-    model: str | None = option(None, "draft checkpoint folder (an EAGLE-3 head's for eagle3); enables speculation",
+    model: str | None = option(None, "draft checkpoint folder (an EAGLE-3 head's for eagle3, a draft model's or a "
+                               "head's for ssd); enables speculation",
                                processes=(DRAFT,),
                                flags=("--draft",))
     num_speculative_tokens: int = option(4, "K: the most draft tokens a round verifies per sequence",
@@ -183,7 +184,7 @@ class EngineConfig:
     """Everything the engine needs to start; validated eagerly so mistakes surface before any model loads."""
 
     model: str = option(help="target checkpoint folder (command line default: the fetched SmolLM2-135M)",
-                        processes=(RANK,))
+                        processes=(RANK, DRAFT))  # an SSD draft worker's EAGLE-3 head reads its embedding
     tokenizer: str | None = option(None, "tokenizer folder (default: the model's)")
     dtype: Dtype = option(Dtype.AUTO, "auto: float32 with packed float16 weights on CPUs with FBGEMM (else "
                                       "bfloat16 where the CPU computes it natively, else float32); bfloat16 on "

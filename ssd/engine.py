@@ -106,6 +106,7 @@ class LLMEngine:
             self.stats.draft_build_branches = draft.build_branches
             self.stats.draft_builds = draft.builds
             self.stats.draft_builds_cut_short = draft.builds_cut_short
+            self.stats.draft_feature_bytes = draft.feature_bytes
         return self.stats
 
     # ---------------------------------------------------------------- requests

@@ -33,6 +33,7 @@ class SpecStats:
     draft_build_branches: int = 0  # SSD tree branches built (all sequences, all rounds)
     draft_builds: int = 0  # SSD cache builds reported by the draft worker
     draft_builds_cut_short: int = 0  # builds stopped early (fewer tokens per branch): a request waiting or due
+    draft_feature_bytes: int = 0  # SSD with an EAGLE-3 head: target features sent to the draft worker
     verify_time_s: float = 0.0
     draft_critical_time_s: float = 0.0  # time the target waited for the draft
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
+VOCAB = 512  # the test targets' vocabulary (tests/checkpoints.py)
+LAYERS = [0, 1, 1]  # the test targets have two layers; published heads read (2, L // 2, L - 3)
 HEAD_SHAPE = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
 
 
@@ -76,3 +80,31 @@ def make_eagle3_head(
     else:
         torch.save(state, path / "pytorch_model.bin")
     return path
+
+
+def _zero_lm_head(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    tensors["lm_head.weight"] = torch.zeros_like(tensors["lm_head.weight"])
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def make_test_pairs(checkpoint_factory, root: Path) -> dict[str, str]:
+    """Two targets and heads for exactness tests: a random head on a random target (almost every draft rejected),
+    and on a target whose LM head is zero (it always emits token 0) a head that always proposes 0 (every draft
+    accepted)."""
+    target = checkpoint_factory(arch="llama")
+    hidden = 64  # the test targets' hidden size
+    random_head = make_eagle3_head(root / "random_head", vocab_size=VOCAB, target_hidden_size=hidden,
+                                   hidden_size=hidden, feature_layers=LAYERS, seed=3)
+    constant = _zero_lm_head(Path(target), root / "constant_target")
+    agreeing_head = make_eagle3_head(root / "agreeing_head", vocab_size=VOCAB, target_hidden_size=hidden,
+                                     hidden_size=hidden, feature_layers=LAYERS, seed=4)
+    state = load_file(agreeing_head / "model.safetensors")
+    state["lm_head.weight"] = torch.zeros_like(state["lm_head.weight"])  # ties: the lowest target id, 0
+    ids = torch.arange(100)  # draft ids 0..99 are target ids 0..99
+    state["d2t"], state["t2d"] = ids - ids, torch.arange(VOCAB) < 100
+    save_file(state, agreeing_head / "model.safetensors")
+    return {"target": str(target), "random_head": str(random_head), "constant": str(constant),
+            "agreeing_head": str(agreeing_head)}

@@ -20,41 +20,18 @@ import pytest
 import scipy.stats
 import torch
 import transformers
-from eagle3_utils import make_eagle3_head
+from eagle3_utils import LAYERS, VOCAB, make_eagle3_head, make_test_pairs
 from safetensors.torch import load_file, save_file
 
 from ssd import LLM, SamplingParams
 from ssd.sample.sampler import SamplingTensors, processed_probs
 
-BLOCK, MAX_LEN, VOCAB = 16, 128, 512
-LAYERS = [0, 1, 1]  # the test targets have two layers; published heads read (2, L // 2, L - 3)
-
-
-def _zero_lm_head(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    tensors = load_file(dst / "model.safetensors")
-    tensors["lm_head.weight"] = torch.zeros_like(tensors["lm_head.weight"])
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
+BLOCK, MAX_LEN = 16, 128
 
 
 @pytest.fixture(scope="module")
 def paths(checkpoint_factory, tmp_path_factory):
-    root = tmp_path_factory.mktemp("eagle3_sd")
-    target = checkpoint_factory(arch="llama")
-    hidden = 64  # the test targets' hidden size
-    random_head = make_eagle3_head(root / "random_head", vocab_size=VOCAB, target_hidden_size=hidden,
-                                   hidden_size=hidden, feature_layers=LAYERS, seed=3)
-    constant = _zero_lm_head(Path(target), root / "constant_target")
-    agreeing_head = make_eagle3_head(root / "agreeing_head", vocab_size=VOCAB, target_hidden_size=hidden,
-                                     hidden_size=hidden, feature_layers=LAYERS, seed=4)
-    state = load_file(agreeing_head / "model.safetensors")
-    state["lm_head.weight"] = torch.zeros_like(state["lm_head.weight"])  # ties: the lowest target id, 0
-    ids = torch.arange(100)  # draft ids 0..99 are target ids 0..99
-    state["d2t"], state["t2d"] = ids - ids, torch.arange(VOCAB) < 100
-    save_file(state, agreeing_head / "model.safetensors")
-    return {"target": str(target), "random_head": str(random_head), "constant": str(constant),
-            "agreeing_head": str(agreeing_head)}
+    return make_test_pairs(checkpoint_factory, tmp_path_factory.mktemp("eagle3_sd"))
 
 
 def make_llm(model: str, head: str | None = None, k: int = 3, adaptive: bool = False, spec: dict | None = None,
@@ -88,7 +65,7 @@ def ar_greedy(paths):
 
 def _assert_released(llm: LLM) -> None:
     proposer = llm.engine.proposer
-    assert proposer.mirrors == {} and proposer.features == {} and proposer.lookups == {}
+    assert proposer.mirrors == {} and len(proposer.features) == 0 and proposer.lookups == {}
     assert proposer.kv_manager.num_free_blocks == proposer.kv_manager.num_total_blocks
 
 

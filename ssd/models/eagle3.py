@@ -54,6 +54,18 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
+def is_eagle3_head(folder: str | Path) -> bool:
+    """Whether ``folder`` holds an EAGLE-3 head (by its ``config.json``), not a model of its own."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return False
+    if not isinstance(config, dict):
+        return False
+    archs = config.get("architectures")
+    return archs == [ARCHITECTURE] or (archs is None and "draft_vocab_size" in config)
+
+
 def default_feature_layers(num_target_layers: int) -> tuple[int, int, int]:
     """The target layers published EAGLE-3 heads read: low, middle and high."""
     return (2, num_target_layers // 2, num_target_layers - 3)

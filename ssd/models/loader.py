@@ -282,3 +282,23 @@ def _plan_loads(
 def _listing(names: list[str]) -> str:
     shown = ", ".join(names[:_MAX_LISTED])
     return shown if len(names) <= _MAX_LISTED else f"{shown}, ... ({len(names) - _MAX_LISTED} more)"
+
+
+def load_input_embedding(path: str | Path, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The input embedding ``[V, H]`` of the checkpoint at ``path`` alone (an EAGLE-3 head without its own reads
+    the target's), cast to ``dtype``; GGUF blocks are dequantized."""
+    folder = Path(path)
+    cfg = load_arch_config(folder)
+    block_types = stored_block_types(read_hf_config(folder))
+    names = ["model.embed_tokens.weight"] + (["lm_head.weight"] if cfg.tie_word_embeddings else [])
+    for name in names:  # tied checkpoints may store the shared matrix under the head's name only
+        for file in _safetensors_files(folder):
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                if name not in f.keys():
+                    continue
+                tensor = f.get_tensor(name)
+                if name in block_types:
+                    blocks = blocks_from_gguf(tensor, block_types[name], cfg.hidden_size)
+                    tensor = blocks.dequantize()[:, : cfg.hidden_size]
+                return tensor.to(dtype)
+    raise ValueError(f"checkpoint {folder} has no input embedding ({' or '.join(names)})")

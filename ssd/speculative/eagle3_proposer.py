@@ -30,13 +30,13 @@ import torch
 from ssd.core.block_pool import BlockPool
 from ssd.core.kv_cache_manager import KVCacheManager
 from ssd.core.sequence import Sequence
-from ssd.models.attention_layout import build_step_tensors
 from ssd.models.eagle3 import Eagle3Head
 from ssd.options import LookupConfig
-from ssd.runtime.forward_items import ForwardItem, flatten_items
+from ssd.runtime.forward_items import ForwardItem
 from ssd.speculative.drafting import DraftDistribution
-from ssd.speculative.lookup import copied_token
+from ssd.speculative.head_runner import HeadDrafts, HeadRunner, draft_with_head
 from ssd.speculative.mirrors import DraftMirrors
+from ssd.speculative.target_features import TargetFeatureLog, head_can_draft
 from ssd.speculative.proposal import (
     DraftStatistics,
     Proposal,
@@ -59,11 +59,9 @@ class Eagle3Proposer:
         device: torch.device | str = "cpu",
         lookup: LookupConfig | None = None,
     ) -> None:
-        self.head = head
+        self.runner = HeadRunner(head, num_blocks, block_size, device)
         self.feature_layers = feature_layers  # the target layers whose entering hidden states the head reads
-        self.block_size = block_size
-        self.device = torch.device(device)
-        self.caches = head.allocate_kv_caches(num_blocks, block_size, self.device)
+        self.device = self.runner.device
         # No prefix caching: a row's K/V depends on the token after its position, so the target's block hashes
         # do not name it.
         self.kv_manager = KVCacheManager(BlockPool(num_blocks, block_size, enable_prefix_caching=False))
@@ -71,7 +69,7 @@ class Eagle3Proposer:
         self.mirrors, self.lookups = self.drafts.mirrors, self.drafts.lookups
         self.distribution = distribution
         self.default_generator = default_generator
-        self.features: dict[int, tuple[int, torch.Tensor]] = {}  # seq_id -> (first position, [m, 3 Ht]) not yet run
+        self.features = TargetFeatureLog()  # the target's, of positions the head has not run yet
         self.rows_without_features = 0  # rows the head ran on zeros (positions served by the target's prefix cache)
         self.available = True
         self.failure: str | None = None
@@ -85,62 +83,37 @@ class Eagle3Proposer:
     # ------------------------------------------------------------------ the target's features
     def observe_target(self, computed: list[tuple[int, int, int]], features: torch.Tensor) -> None:
         """The target's step computed, for each ``(seq_id, first position, count)`` in flat order, the rows of
-        ``features [T, 3 Ht]``. Rows past what verification keeps are overwritten when the target computes those
-        positions again; a round only reads positions the target holds."""
-        offset = 0
-        for seq_id, start, count in computed:
-            rows = features[offset : offset + count]
-            offset += count
-            held = self.features.get(seq_id)
-            if held is not None and held[0] <= start <= held[0] + len(held[1]):
-                rows = torch.cat([held[1][: start - held[0]], rows])
-                start = held[0]
-            self.features[seq_id] = (start, rows)
+        ``features [T, 3 Ht]`` (a round reads only positions the target holds)."""
+        self.features.observe(computed, features)
 
     def _target_features(self, seq_id: int, first: int, end: int) -> torch.Tensor:
         """The target's features of positions ``first..end-1`` ``[end - first, 3 Ht]`` (zeros where unknown)."""
-        out = torch.zeros(end - first, self.head.fc.in_features, dtype=self.head.fc.weight.dtype, device=self.device)
-        held = self.features.get(seq_id)
-        lo = hi = first
-        if held is not None:
-            start, rows = held
-            lo, hi = max(first, start), min(end, start + len(rows))
-            if hi > lo:
-                out[lo - first : hi - first] = rows[lo - start : hi - start]
-        self.rows_without_features += (end - first) - max(0, hi - lo)
+        out = torch.zeros(end - first, self.runner.target_feature_size, device=self.device)
+        self.rows_without_features += (end - first) - self.features.gather(seq_id, first, end, out)
         return out
 
     # ------------------------------------------------------------------ proposing
-    def _run(self, items: list[ForwardItem], features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head over ``items`` with ``features [T, H]``: (outputs [T, H], rows of the items' last tokens)."""
-        flat = flatten_items(items, self.block_size)
-        step = build_step_tensors(flat.token_ids, flat.positions, flat.layouts, flat.logit_rows, self.device)
-        out = self.head(step.input_ids, features, step.positions, step.meta, self.caches)
-        return out, step.logit_rows
-
     @torch.inference_mode()
     def propose(self, requests: list[ProposalRequest]) -> Proposal:
         """Drafts for every request whose target has computed all but its pending token; none for a prompt
         whose step is also to verify (``prompt_step_speculation``): the head needs the prompt's features."""
-        num_drafts = [r.num_drafts if r.seq.num_uncomputed_tokens == 1 else 0 for r in requests]
+        num_drafts = [r.num_drafts if head_can_draft(r.seq) else 0 for r in requests]
         ready = [i for i, n in enumerate(num_drafts) if n > 0]
         width = max(num_drafts)
         if len(ready) == len(requests):
-            tokens, probs, copied = self._draft(requests, width)
-            return Proposal(tokens, probs, num_drafts, copied=copied)
+            drafts = self._draft(requests)
+            return Proposal(drafts.tokens, drafts.probs, num_drafts, copied=drafts.copied)
         tokens = torch.zeros(len(requests), width, dtype=torch.long, device=self.device)  # [B, K]
         probs = torch.zeros(len(requests), width, self.distribution.target_vocab_size, device=self.device)
         copied = torch.zeros(len(requests), width, dtype=torch.bool)  # [B, K]
         if ready:
             index = torch.tensor(ready, device=self.device)
-            tokens[index], probs[index], copied[index] = self._draft([requests[i] for i in ready], width)
+            drafts = self._draft([requests[i] for i in ready])
+            tokens[index], probs[index], copied[index] = drafts.tokens, drafts.probs, drafts.copied
         return Proposal(tokens, probs, num_drafts, copied=copied)
 
-    def _draft(
-        self, requests: list[ProposalRequest], width: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The three steps of a round for these requests: drafts ``[R, width]``, their q ``[R, width, V]`` and
-        which prompt lookup copied ``[R, width]``."""
+    def _draft(self, requests: list[ProposalRequest]) -> HeadDrafts:
+        """The three steps of a round for these requests (``num_drafts`` each, at least one)."""
         mirrors = [self.drafts.mirror(r.seq) for r in requests]
         ends = [r.seq.num_computed_tokens for r in requests]  # rows 0..end-1 read the target's features
         items, feature_rows = [], []
@@ -152,48 +125,15 @@ class Eagle3Proposer:
                                    "target's")
             items.append(ForwardItem(r.seq.token_ids[first + 1 : end + 1], first, mirror.block_table))
             feature_rows.append(self._target_features(r.seq.seq_id, first, end))
-        out, last = self._run(items, self.head.fuse(torch.cat(feature_rows)))
-        features = out[last]  # [B, H]: each sequence's newest output, the next row's feature
-
-        num_drafts = [r.num_drafts for r in requests]
-        tokens_out = torch.zeros(len(requests), width, dtype=torch.long, device=self.device)  # [R, K]
-        probs_out = torch.zeros(len(requests), width, self.distribution.target_vocab_size, device=self.device)
-        copied = torch.zeros(len(requests), width, dtype=torch.bool)  # [R, K]
-        lookups = [self.lookups.get(r.seq.seq_id) for r in requests]
-        drafted: list[list[int]] = [[] for _ in requests]
-        active = list(range(len(requests)))
-        for step in range(max(num_drafts)):
-            active = [i for i in active if num_drafts[i] > step]
-            if step > 0:  # a row per sequence on the head's own feature
-                items = [ForwardItem([int(tokens_out[i, step - 1])], ends[i] + step - 1, mirrors[i].block_table)
-                         for i in active]
-                out, _ = self._run(items, features[active])
-                features[active] = out
-            logits = self.head.compute_logits(features[active])  # [R, Vd]
-            forced = [copied_token(lookups[i], drafted[i]) for i in active]
-            tokens, probs = self.distribution.draw(
-                logits, [requests[i].seq.sampling_params for i in active], [requests[i].generator for i in active],
-                self.default_generator, forced=forced,
-            )
-            for i, token, copy in zip(active, tokens.tolist(), forced):
-                drafted[i].append(token)
-                copied[i, step] = copy is not None
-            rows = torch.tensor(active, device=self.device)
-            tokens_out[rows, step] = tokens
-            if probs is None:
-                probs_out[rows, step, tokens] = 1.0  # all greedy: q is one-hot at the draft
-            else:
-                probs_out[rows, step] = probs
+        drafts = draft_with_head(
+            self.runner, items, self.runner.fuse(torch.cat(feature_rows)), [r.num_drafts for r in requests],
+            [r.seq.sampling_params for r in requests], [r.generator for r in requests], self.distribution,
+            self.default_generator, [self.lookups.get(r.seq.seq_id) for r in requests],
+        )
         for r, mirror, end in zip(requests, mirrors, ends):
             mirror.num_computed_tokens = end  # step 2's rows are dropped: the target's features replace them
-            self._forget_features(r.seq.seq_id, end)
-        return tokens_out, probs_out, copied
-
-    def _forget_features(self, seq_id: int, end: int) -> None:
-        held = self.features.get(seq_id)
-        if held is not None:
-            start, rows = held
-            self.features[seq_id] = (end, rows[max(0, end - start) :])
+            self.features.forget(r.seq.seq_id, end)
+        return drafts
 
     def on_verified(self, rounds: list[VerifiedRound]) -> None:
         for round_ in rounds:
@@ -203,7 +143,7 @@ class Eagle3Proposer:
 
     def release(self, seq: Sequence) -> None:
         self.drafts.release(seq.seq_id)
-        self.features.pop(seq.seq_id, None)
+        self.features.release(seq.seq_id)
 
     def shutdown(self) -> None:
         self.drafts.clear()

@@ -73,21 +73,14 @@ def _draft_runner(config: EngineConfig, target: TargetFacts, extra_tokens_per_se
 def _eagle3_proposer(
     config: EngineConfig, target: TargetFacts, default_generator: torch.Generator, runner: ModelRunner | None
 ) -> Proposer:
-    from ssd.dtypes import torch_dtype
-    from ssd.models.eagle3 import load_eagle3_head
-    from ssd.models.weight_formats import pack_weights
-    from ssd.options import PACKED_WEIGHT_FORMATS
     from ssd.speculative.eagle3_proposer import Eagle3Proposer
+    from ssd.speculative.head_runner import load_head
 
     spec = config.spec
     if runner is None or runner.tp is not None:
         raise ValueError("method 'eagle3' runs the head beside a target on one rank (no tensor parallelism yet)")
     device = torch.device(spec.draft_device or config.device)
-    head, layers = load_eagle3_head(spec.model, runner.arch, torch_dtype(spec.draft_dtype),
-                                    target_embedding=runner.model.embed_tokens.weight)
-    head.to(device)
-    if spec.draft_weight_format in PACKED_WEIGHT_FORMATS:  # as a draft model's: fewer bytes a draft step reads
-        pack_weights(head, spec.draft_weight_format)
+    head, layers = load_head(spec, runner.arch, runner.model.embed_tokens.weight, device)
     K = spec.num_speculative_tokens
     distribution = DraftDistribution(target.vocab_size, target.vocab_size, head.draft_to_target.to(device))
     return Eagle3Proposer(head, layers, draft_num_blocks(config, target, K), config.block_size, distribution,

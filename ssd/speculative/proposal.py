@@ -87,6 +87,7 @@ class DraftStatistics:
     build_branches: int = 0  # tree branches of those builds
     builds: int = 0  # cache builds with at least one branch
     builds_cut_short: int = 0  # of those, builds stopped early: the next request was waiting or due
+    feature_bytes: int = 0  # SSD with an EAGLE-3 head: the target's features sent to the draft worker
 
 
 class Proposer(Protocol):

@@ -23,6 +23,7 @@ from ssd.speculative.async_draft.planning.fallback_policy import FallbackPolicy
 from ssd.speculative.async_draft.wire import protocol as wire
 from ssd.speculative.async_draft.worker import WorkerConfig, run_draft_worker
 from ssd.speculative.proposal import DraftStatistics, Proposal, ProposalRequest, VerifiedRound
+from ssd.speculative.target_features import TargetFeatureLog, head_can_draft
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +40,19 @@ class SSDProposer:
         timeout_s: float,
         start_timeout_s: float = 300.0,
         build_first_round: bool = False,
+        feature_layers: tuple[int, ...] | None = None,
     ) -> None:
         """``build_first_round``: the engine's prompt step emits its token without drafts, so the worker can
-        build each new sequence's first-round cache while the target computes the prompt."""
+        build each new sequence's first-round cache while the target computes the prompt. ``feature_layers``: the
+        worker runs an EAGLE-3 head, which reads the target's hidden states entering these layers; each round
+        sends the features of the positions the target computed since the last."""
+        if feature_layers is not None and build_first_round:
+            raise ValueError("an EAGLE-3 head cannot build a first round: it needs the prompt's features")
         self.config = config
+        self.feature_layers = feature_layers
+        self._features = TargetFeatureLog()
+        self._features_sent: dict[int, int] = {}  # seq_id -> positions whose features the worker has had
+        self._feature_width = 0  # F, once a step has computed features
         self.timeout_s = timeout_s
         self.build_first_round = build_first_round
         self.vocab_size = config.target_vocab_size
@@ -123,13 +133,16 @@ class SSDProposer:
         for r in requests:
             seq = r.seq
             told = self._told[seq.seq_id]
-            rows.append((seq.seq_id, seq.token_ids[told:], self._last_k[seq.seq_id], r.num_drafts,
-                         self._tree_depth(r)))
+            num_drafts, tree_depth = r.num_drafts, self._tree_depth(r)
+            if self.feature_layers is not None and not head_can_draft(seq):
+                num_drafts = tree_depth = 0  # a prompt step that verifies: the head has no features of it yet
+            rows.append((seq.seq_id, seq.token_ids[told:], self._last_k[seq.seq_id], num_drafts, tree_depth))
             self._told[seq.seq_id] = seq.num_tokens
         fallback = self._fallback.choose(len(requests))
         round_id = next(self._round_ids)
+        features = None if self.feature_layers is None else [self._new_features(r.seq) for r in requests]
         try:
-            msg = wire.SpeculateMsg.from_lists(round_id, *zip(*rows))
+            msg = wire.SpeculateMsg.from_lists(round_id, *zip(*rows), target_features=features)
             msg.fallback = fallback
             self._send(msg)
             reply = self._receive(self.timeout_s)
@@ -147,6 +160,26 @@ class SSDProposer:
         proposal = self._to_proposal(reply, requests)
         self._account(proposal, reply)
         return proposal
+
+    def observe_target(self, computed: list[tuple[int, int, int]], features: torch.Tensor) -> None:
+        """The target's step computed, for each ``(seq_id, first position, count)`` in flat order, the rows of
+        ``features [T, 3 Ht]``; the next round sends the worker those it keeps."""
+        self._features.observe(computed, features)
+        self._feature_width = features.shape[1]
+
+    def _new_features(self, seq: Sequence) -> tuple[int, np.ndarray]:
+        """The target's features of ``seq``'s positions the worker has not had, up to the pending token's
+        (first position, float32 ``[m, 3 Ht]``); positions the target never computed are left out (zeros there)."""
+        first, end = self._features_sent.get(seq.seq_id, 0), seq.num_computed_tokens
+        span = self._features.span(seq.seq_id, first, end)
+        self._features.forget(seq.seq_id, end)
+        self._features_sent[seq.seq_id] = max(first, end)
+        if span is None:
+            return end, np.zeros((0, self._feature_width), dtype=np.float32)
+        start, rows = span
+        rows = rows.detach().float().cpu().numpy()
+        self._statistics.feature_bytes += rows.nbytes
+        return start, rows
 
     def _tree_depth(self, request: ProposalRequest) -> int:
         """Drafts per branch of the cache the worker builds during this round: K (so that a hit can serve
@@ -199,6 +232,8 @@ class SSDProposer:
         if self._told.pop(seq.seq_id, None) is None:
             return
         self._last_k.pop(seq.seq_id, None)
+        self._features.release(seq.seq_id)
+        self._features_sent.pop(seq.seq_id, None)
         if self.available:
             try:
                 self._send(wire.ReleaseMsg(seq_ids=np.array([seq.seq_id], dtype=np.int64)))

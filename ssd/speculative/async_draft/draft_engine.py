@@ -95,13 +95,8 @@ class DraftEngine:
         """Start mirroring sequences and compute their K/V (all but the last token, which is pending)."""
         items, fresh = [], []
         for seq_id, token_ids, params in seqs:
-            self.release(seq_id)
-            mirror = Sequence(seq_id, list(token_ids), params)
+            mirror = self._new_state(seq_id, list(token_ids), params).mirror
             self.kv.allocate_prefix(mirror)
-            generator = torch.Generator(device=self.runner.device)
-            generator.manual_seed(draft_seed(params.seed, self.seed, seq_id))
-            state = DraftSeqState(mirror, generator, lookup=new_lookup(self.lookup, mirror.token_ids))
-            self.states[seq_id] = state
             todo = mirror.num_tokens - 1 - mirror.num_computed_tokens
             if todo > 0 and self.kv.allocate_slots(mirror, todo):
                 items.append(ForwardItem(mirror.token_ids[mirror.num_computed_tokens : -1],
@@ -112,6 +107,16 @@ class DraftEngine:
         for mirror, todo in fresh:
             mirror.num_computed_tokens += todo
             self.kv.cache_full_blocks(mirror)
+
+    def _new_state(self, seq_id: int, mirrored: list[int], params: SamplingParams) -> DraftSeqState:
+        """Start mirroring a sequence (forgetting an earlier one of that id) with ``mirrored`` tokens."""
+        self.release(seq_id)
+        generator = torch.Generator(device=self.runner.device)
+        generator.manual_seed(draft_seed(params.seed, self.seed, seq_id))
+        mirror = Sequence(seq_id, mirrored, params)
+        state = DraftSeqState(mirror, generator, lookup=new_lookup(self.lookup, mirror.token_ids))
+        self.states[seq_id] = state
+        return state
 
     def expect_first_round(self, tree_depths: dict[int, int]) -> None:
         """Treat each (just prefilled) sequence's prompt as a verified speculation with no drafts, whose
@@ -154,7 +159,7 @@ class DraftEngine:
                 results[i] = result
         for row, result in zip(rows, results):
             state = self.states[row.seq_id]
-            state.speculation = [state.mirror.last_token_id] + result.tokens
+            state.speculation = state.mirror.token_ids[-1:] + result.tokens  # (a head's mirror may be empty)
             state.copied, state.confidences = list(result.copied), []
             state.tree_depth = row.tree_depth
             state.cache = {}
@@ -171,7 +176,7 @@ class DraftEngine:
         pending_valid = mirror.num_computed_tokens == mirror.num_tokens
         mirror.append_tokens(row.new_tokens)
         if not consistent:
-            mirror.num_computed_tokens = min(mirror.num_computed_tokens, mirror.num_tokens - 1)
+            mirror.num_computed_tokens = max(0, min(mirror.num_computed_tokens, mirror.num_tokens - 1))
             return None
         if state.confidences:
             self.calibration.observe_round(state.confidences, state.copied, k)
@@ -296,8 +301,8 @@ class DraftEngine:
                     owners.append(i)
             if not items:
                 break
-            logits = self.runner.forward(items)  # [sum of drafting branches, Vd]
             rows = [(states[i], branch) for i in owners for branch in trees[i] if branch.drafting]
+            logits = self._tree_forward(items, rows)  # [rows, Vd]
             params = [state.mirror.sampling_params for state, _ in rows]
             generators = [state.generator for state, _ in rows]
             scaled = [_at(state.fan_out, j) for state, _ in rows]
@@ -331,6 +336,11 @@ class DraftEngine:
                 kept = torch.stack(branch.probs) if branch.probs else None
                 state.cache[(branch.k, branch.token)] = CachedSpeculation(branch.tokens, kept, branch.copied)
         return steps, interrupted
+
+    def _tree_forward(self, items: list[ForwardItem], rows: list[tuple[DraftSeqState, Branch]]) -> torch.Tensor:
+        """One tree depth: ``items`` run a row for each drafting branch, ``rows`` in the same order; returns their
+        logits ``[rows, Vd]``."""
+        return self.runner.forward(items)
 
     def _saguaro(self, probs, logits, params: list[SamplingParams], num_scaled: list[int]) -> torch.Tensor:
         """Scale q on the candidates a later fork caches: a token drawn at depth j of a speculation is the

@@ -50,6 +50,8 @@ class SpeculateRow:
     # after the prefill, or after a reset); 0 for a first round after a first-round build (its prompt's step)
     num_drafts: int  # K_i of this round
     tree_depth: int | None = None  # drafts per branch of the next cache (>= num_drafts); None: num_drafts
+    # an EAGLE-3 head's input: (p, the target's features [m, 3 Ht] of positions p..p+m-1) it has not been sent yet
+    target_features: tuple[int, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.tree_depth is None:
@@ -87,6 +89,7 @@ class Branch:
     tokens: list[int] = field(default_factory=list)  # its drafts, in order
     copied: list[bool] = field(default_factory=list)  # which of them prompt lookup copied
     probs: list[torch.Tensor] = field(default_factory=list)  # the q [V] of each (sampled requests only)
+    feature: torch.Tensor | None = None  # an EAGLE-3 head's output of the branch's last row [H] (its next feature)
 
     @property
     def next_input(self) -> int:

@@ -6,11 +6,14 @@ from __future__ import annotations
 import logging
 
 from ssd.config import EngineConfig
+from ssd.models.eagle3 import is_eagle3_head
+from ssd.models.loader import load_arch_config
 from ssd.runtime.model_runner import GraphOptions
 from ssd.speculative.async_draft.client import SSDProposer
 from ssd.speculative.async_draft.planning.fanout import max_fan_out_budget
 from ssd.speculative.async_draft.worker import WorkerConfig
 from ssd.speculative.draft_fit import check_draft_vocabulary, draft_num_blocks
+from ssd.speculative.head_runner import head_feature_layers
 from ssd.speculative.proposal import TargetFacts
 from ssd.tokenizer import Tokenizer
 
@@ -24,7 +27,15 @@ def build_ssd_proposer(
     K = spec.num_speculative_tokens
     # Validate everything the worker would reject before paying for a process start.
     budget = max(max_fan_out_budget(f, K, spec.fan_out_budget) for f in spec.fan_outs)
-    usable = check_draft_vocabulary(tokenizer, target, spec.model)
+    feature_layers = None
+    if is_eagle3_head(spec.model):  # the draft is an EAGLE-3 head: the target sends it its features
+        if config.tensor_parallel_size > 1:
+            raise ValueError("SSD with an EAGLE-3 head reads the target's features on one rank (no tensor "
+                             "parallelism yet)")
+        feature_layers = head_feature_layers(spec, load_arch_config(config.model))
+        usable = target.vocab_size  # the head's draft vocabulary (d2t) says which ids it proposes
+    else:
+        usable = check_draft_vocabulary(tokenizer, target, spec.model)
     device = spec.draft_device or config.device
     # A tree step decodes `budget` branch tokens per sequence and reads up to K + 1 + K * budget scratch slots
     # beyond the sequence's own.
@@ -43,5 +54,7 @@ def build_ssd_proposer(
         ),
     )
     logger.info("starting SSD draft worker (device %s, cpus %s, K=%d)", device, draft_cpus, K)
-    first_round = not spec.prompt_step_speculation  # the prompt's step runs without drafts: build during it
-    return SSDProposer(worker, spec.fallback, spec.draft_timeout_s, build_first_round=first_round)
+    # The prompt's step runs without drafts: build during it (not with a head, which needs the prompt's features).
+    first_round = not spec.prompt_step_speculation and feature_layers is None
+    return SSDProposer(worker, spec.fallback, spec.draft_timeout_s, build_first_round=first_round,
+                       feature_layers=feature_layers)

@@ -22,15 +22,20 @@ import torch
 from ssd.config import EngineConfig, SpeculativeConfig
 from ssd.core.block_pool import BlockPool
 from ssd.core.kv_cache_manager import KVCacheManager
+from ssd.dtypes import torch_dtype
+from ssd.models.eagle3 import is_eagle3_head
+from ssd.models.loader import load_arch_config, load_input_embedding
 from ssd.options import FillerPadding
 from ssd.runtime.model_runner import GraphOptions, ModelRunner
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.async_draft.draft_engine import DraftEngine
 from ssd.speculative.async_draft.draft_state import BuildStats, SpeculateRow
+from ssd.speculative.async_draft.head_engine import HeadDraftEngine
 from ssd.speculative.async_draft.planning.build_clock import BuildClock
 from ssd.speculative.async_draft.planning.fanout import BudgetController, FanOutPlan, fan_out_policy
 from ssd.speculative.async_draft.wire import protocol as wire
 from ssd.speculative.drafting import DraftDistribution
+from ssd.speculative.head_runner import HeadRunner, load_head
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +71,8 @@ def _pin(config: WorkerConfig) -> None:
 
 def build_draft_engine(config: WorkerConfig) -> DraftEngine:
     spec, engine_config = config.spec, config.engine_config
+    if is_eagle3_head(spec.model):
+        return _build_head_engine(config)
     runner = ModelRunner(
         spec.model, spec.draft_dtype, config.device, engine_config.block_size, config.max_model_len,
         kv_cache_memory=None, kv_cache_fraction=0.5, num_blocks=config.num_blocks,
@@ -75,6 +82,18 @@ def build_draft_engine(config: WorkerConfig) -> DraftEngine:
     dist = DraftDistribution.for_runner(runner, config.target_vocab_size, config.num_usable_tokens)
     return DraftEngine(runner, kv, dist, spec.num_speculative_tokens, spec.saguaro_c, engine_config.seed, spec.lookup,
                        pad_filler=spec.filler_padding is FillerPadding.REPEAT)
+
+
+def _build_head_engine(config: WorkerConfig) -> HeadDraftEngine:
+    """An EAGLE-3 head's engine; a head without its own embedding reads the target's, loaded alone here."""
+    spec, engine_config = config.spec, config.engine_config
+    embedding = load_input_embedding(engine_config.model, torch_dtype(spec.draft_dtype))
+    head, _ = load_head(spec, load_arch_config(engine_config.model), embedding, config.device)
+    runner = HeadRunner(head, config.num_blocks, engine_config.block_size, config.device)
+    kv = KVCacheManager(BlockPool(runner.num_blocks, engine_config.block_size, enable_prefix_caching=False))
+    dist = DraftDistribution(config.target_vocab_size, config.num_usable_tokens, head.draft_to_target.to(runner.device))
+    return HeadDraftEngine(runner, kv, dist, spec.num_speculative_tokens, spec.saguaro_c, engine_config.seed,
+                           spec.lookup, pad_filler=spec.filler_padding is FillerPadding.REPEAT)
 
 
 class FanOutPlanner:
@@ -213,9 +232,10 @@ class DraftWorker:
         let the fan-out policies learn from the lookups and build the next cache."""
         start = time.perf_counter()
         rows = [
-            SpeculateRow(int(seq_id), new.tolist(), int(k), int(n), int(depth))
-            for seq_id, new, k, n, depth in zip(msg.seq_ids, msg.new_token_lists(), msg.num_accepted,
-                                                msg.num_drafts, msg.tree_depth)
+            SpeculateRow(int(seq_id), new.tolist(), int(k), int(n), int(depth),
+                         None if features is None else (features[0], torch.from_numpy(features[1])))
+            for seq_id, new, k, n, depth, features in zip(msg.seq_ids, msg.new_token_lists(), msg.num_accepted,
+                                                          msg.num_drafts, msg.tree_depth, msg.target_features())
         ]
         results = self.engine.speculate(rows, msg.fallback)
         reply = speculation_message(msg.round_id, results, self.engine.K, self.engine.dist.target_vocab_size,

@@ -161,6 +161,9 @@ class SpeculateMsg(WireMessage):
         "num_accepted": (_I64, 1),
         "num_drafts": (_I32, 1),
         "tree_depth": (_I32, 1),
+        "feature_start": (_I64, 1),
+        "feature_lengths": (_I64, 1),
+        "features": (_F32, 2),
     }
 
     round_id: int
@@ -170,6 +173,11 @@ class SpeculateMsg(WireMessage):
     num_accepted: np.ndarray  # [B] int64, -1 = no previous round / unknown
     num_drafts: np.ndarray  # [B] int32, K_i
     tree_depth: np.ndarray  # [B] int32, drafts per branch of the next cache, >= K_i
+    # An EAGLE-3 head's input: row i's target features of positions feature_start[i].., feature_lengths[i] of them,
+    # back to back in features [N, F] (F = 3 Ht; float32, what the target computed). Empty for a draft model.
+    feature_start: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [B] int64
+    feature_lengths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # [B] int64
+    features: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.float32))  # [N, F] float32
     fallback: Fallback = Fallback.JIT  # what serves the rows that miss (JIT or RANDOM), chosen by the client
 
     def _validate(self) -> None:
@@ -178,8 +186,16 @@ class SpeculateMsg(WireMessage):
             raise ProtocolError(f"SpeculateMsg.fallback must be one of {[f.value for f in MISS_FALLBACKS]}, "
                                 f"got {self.fallback!r}")
         self.fallback = Fallback(self.fallback)  # travels as its name
-        per_row = ("new_lengths", "num_accepted", "num_drafts", "tree_depth")
-        check_rows("SpeculateMsg", self.seq_ids.shape[0], self, per_row)
+        B = self.seq_ids.shape[0]
+        if self.feature_lengths.size == 0:  # none given: no features in any row
+            self.feature_start, self.feature_lengths = np.zeros(B, np.int64), np.zeros(B, np.int64)
+        per_row = ("new_lengths", "num_accepted", "num_drafts", "tree_depth", "feature_start", "feature_lengths")
+        check_rows("SpeculateMsg", B, self, per_row)
+        if self.feature_lengths.size and self.feature_lengths.min() < 0:
+            raise ProtocolError("SpeculateMsg.feature_lengths must be >= 0")
+        if int(self.feature_lengths.sum()) != self.features.shape[0]:
+            raise ProtocolError(f"SpeculateMsg.feature_lengths sums to {int(self.feature_lengths.sum())} but "
+                                f"SpeculateMsg.features has {self.features.shape[0]} rows")
         check_ragged("SpeculateMsg", "new_token_ids", "new_lengths", self)
         if self.num_accepted.size and self.num_accepted.min() < -1:
             raise ProtocolError("SpeculateMsg.num_accepted must be >= -1 (-1 = no previous round)")
@@ -197,15 +213,23 @@ class SpeculateMsg(WireMessage):
         num_accepted: Sequence[int],
         num_drafts: Sequence[int],
         tree_depth: Sequence[int] | None = None,
+        target_features: Sequence[tuple[int, np.ndarray]] | None = None,
     ) -> SpeculateMsg:
-        """``tree_depth`` defaults to ``num_drafts`` (the next cache prepares as many drafts as this round's)."""
+        """``tree_depth`` defaults to ``num_drafts`` (the next cache prepares as many drafts as this round's);
+        ``target_features`` (an EAGLE-3 head's) gives per row (first position, features ``[m, F]``)."""
         flat, lengths = pack_ragged(new_token_ids)
-        return cls(
+        msg = cls(
             round_id=round_id, seq_ids=np.asarray(seq_ids, dtype=np.int64), new_token_ids=flat,
             new_lengths=lengths, num_accepted=np.asarray(num_accepted, dtype=np.int64),
             num_drafts=np.asarray(num_drafts, dtype=np.int32),
             tree_depth=np.asarray(num_drafts if tree_depth is None else tree_depth, dtype=np.int32),
         )
+        if target_features is not None:
+            msg.feature_start = np.array([start for start, _ in target_features], dtype=np.int64)
+            msg.feature_lengths = np.array([len(rows) for _, rows in target_features], dtype=np.int64)
+            msg.features = np.concatenate([rows for _, rows in target_features]).astype(np.float32, copy=False)
+            msg._validate()
+        return msg
 
     @property
     def batch_size(self) -> int:
@@ -213,6 +237,12 @@ class SpeculateMsg(WireMessage):
 
     def new_token_lists(self) -> list[np.ndarray]:
         return split_ragged(self.new_token_ids, self.new_lengths)
+
+    def target_features(self) -> list[tuple[int, np.ndarray] | None]:
+        """Per row, (first position, its features ``[m, F]``) or None where it has none."""
+        ends = np.cumsum(self.feature_lengths).tolist()
+        return [(int(start), self.features[end - n : end]) if n else None
+                for start, n, end in zip(self.feature_start.tolist(), self.feature_lengths.tolist(), ends)]
 
 
 @dataclass(eq=False)
