@@ -45,9 +45,10 @@ class PagedSession:
         return table
 
     @torch.no_grad()
-    def step(self, batch: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+    def step(self, batch: dict[int, list[int]], feature_layers: tuple[int, ...] = ()) -> dict[int, torch.Tensor]:
         """Append ``batch[seq_id]`` tokens to each sequence in one forward; returns float32 logits
-        ``[len(tokens), V]`` per sequence (one row per new token)."""
+        ``[len(tokens), V]`` per sequence (one row per new token). With ``feature_layers``, the step's features
+        (``DecoderLM.forward_features``) are left in ``self.features``."""
         layouts, ids, positions, counts = [], [], [], []
         for seq_id, tokens in batch.items():
             start = self.lengths.get(seq_id, 0)
@@ -66,12 +67,13 @@ class PagedSession:
         device = self.model.device
         meta = build_attention_metadata(layouts, device=device)
         meta.row_invariant = self.row_invariant
-        hidden = self.model(
+        hidden, self.features = self.model.forward_features(
             torch.tensor(ids, dtype=torch.long, device=device),
             torch.tensor(positions, dtype=torch.long, device=device),
             meta,
             self.caches,
-        )  # [T, hidden]
+            feature_layers,
+        )  # [T, hidden], [T, n * hidden] or None
         logits = self.model.compute_logits(hidden)  # [T, V]
         return dict(zip(batch, logits.split(counts)))
 

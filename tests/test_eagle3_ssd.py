@@ -208,3 +208,26 @@ def test_head_trees_draft_like_the_head_alone(paths):
                                     Fallback.JIT)
         assert served.hit and served.tokens == cache[(1, c)].tokens
         text += new
+
+
+def test_a_block_format_target_hands_the_head_its_features_from_the_layer_stack(paths):
+    """A q8_0 target runs its layers in one C++ call (``ssd/models/layer_stack.py``), which returns the features
+    too (the Python layers' bits: ``test_layer_stack.py``): SD and SSD with a head stay exact against that
+    target's AR."""
+    from ssd.models import cpu_fused
+    from test_eagle3_sd import make_llm
+
+    if not cpu_fused.available():
+        pytest.skip("the CPU kernels could not be compiled")
+    target, head = paths["constant"], paths["agreeing_head"]
+    ar = make_llm(target, weight_format="q8_0")
+    expected = [o.token_ids for o in ar.generate(PROMPTS, PARAMS)]
+    assert ar.engine.runner.model.layer_stack is not None
+    for llm in (make_llm(target, head, k=3, weight_format="q8_0", max_num_seqs=8),
+                make_ssd(target, head, k=3, weight_format="q8_0", max_num_seqs=8)):
+        try:
+            assert [o.token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
+            assert llm.engine.runner.model.layer_stack is not None
+            assert llm.stats.num_accepted_tokens == llm.stats.num_draft_tokens > 0
+        finally:
+            llm.shutdown()

@@ -42,13 +42,19 @@ def test_the_stack_gives_the_python_layers_bits(checkpoint_factory, arch, weight
     stack = model.layer_stack
     assert stack is not None and stack.num_layers == 3
     sessions = {name: PagedSession(model, row_invariant=True) for name in ("stack", "python")}
-    for step in STEPS:
+    for i, step in enumerate(STEPS):
+        layers = ((0, 2, 1), (), (1,))[i % 3]  # an EAGLE-3 head's features, in any order, or none
         logits = {}
         for name, session in sessions.items():
             model.layer_stack = stack if name == "stack" else None
-            logits[name] = session.step(step)
+            logits[name] = session.step(step, layers)
         for seq in step:
             assert torch.equal(logits["stack"][seq], logits["python"][seq])
+        if layers:
+            assert sessions["stack"].features.shape == (sum(map(len, step.values())), len(layers) * 64)
+            assert torch.equal(sessions["stack"].features, sessions["python"].features)
+        else:
+            assert sessions["stack"].features is None and sessions["python"].features is None
     for name in ("stack", "python"):  # and the caches they wrote
         for mine, theirs in zip(sessions[name].caches, sessions["python"].caches):
             assert torch.equal(mine.key, theirs.key) and torch.equal(mine.value, theirs.value)
@@ -85,10 +91,14 @@ def test_clear_error_for_the_wrong_caches(checkpoint_factory):
     session.caches = session.caches[:1]
     with pytest.raises(ValueError, match="expected 2 KV caches"):
         session.step({0: [1, 2]})
+    caches = model.allocate_kv_caches(2, 4)
+    args = (torch.zeros(1, 64), torch.ones(1, 1, 8), torch.zeros(1, 1, 8))
+    steps = (torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+             None)
     with pytest.raises(RuntimeError, match="expected 2 key and value caches, got 1"):
-        model.layer_stack._stack.forward(torch.zeros(1, 64), torch.ones(1, 1, 8), torch.zeros(1, 1, 8),
-                                         [model.allocate_kv_caches(2, 4)[0].key], [], torch.zeros(1, dtype=torch.long),
-                                         torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), None)
+        model.layer_stack._stack.forward(*args, [caches[0].key], [], *steps, [])
+    with pytest.raises(RuntimeError, match=r"feature layer 2 is not in \[0, 2\)"):
+        model.layer_stack._stack.forward(*args, [c.key for c in caches], [c.value for c in caches], *steps, [0, 2])
 
 
 def test_block_format_runners_take_row_invariant_attention_and_the_stack(checkpoint_factory):

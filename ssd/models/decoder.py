@@ -168,8 +168,8 @@ class DecoderLM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:meth:`forward`, plus the hidden states entering each of ``layers`` (the residual stream before layer
         i: ``transformers``' ``output_hidden_states[i]``), concatenated in that order ``[T, len(layers) *
-        hidden]`` from the same pass (None when ``layers`` is empty): the features an EAGLE-3 head reads. The
-        layer stack does not return them yet, so a step that asks runs the layers one by one (same numbers)."""
+        hidden]`` from the same pass (None when ``layers`` is empty): the features an EAGLE-3 head reads (the
+        layer stack returns them too, the same bits)."""
         if len(kv_caches) != self.num_layers:
             raise ValueError(f"expected {self.num_layers} KV caches (one per layer), got {len(kv_caches)}")
         capture = {}
@@ -179,9 +179,8 @@ class DecoderLM(nn.Module):
             capture[i] = None
         h = self.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [T, 1, D/2] each
-        if (not capture and self.layer_stack is not None and isinstance(meta, AttentionMetadata)
-                and meta.row_invariant):
-            return self.layer_stack.forward(h, cos, sin, kv_caches, meta), None  # [T, hidden]
+        if self.layer_stack is not None and isinstance(meta, AttentionMetadata) and meta.row_invariant:
+            return self.layer_stack.forward(h, cos, sin, kv_caches, meta, list(layers))  # [T, hidden], features
         if self.kernels is not None:
             residual = None
             for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):

@@ -17,6 +17,7 @@ model in a block format runs), and through the Python layers otherwise.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,12 +53,15 @@ class LayerStack:
         return self._stack.num_layers
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, capture: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The final-normed hidden states ``[T, hidden]`` of the embedded tokens ``h`` ``[T, hidden]`` (RoPE's
-        ``cos``, ``sin`` ``[T, 1, D/2]``); writes the step's keys and values into ``kv_caches``."""
+        ``cos``, ``sin`` ``[T, 1, D/2]``), and with ``capture`` the hidden states entering those layers,
+        concatenated ``[T, len(capture) * hidden]`` (else None); writes the step's keys and values into
+        ``kv_caches``."""
         mask = None if meta.mask is None else meta.mask[:, 0]  # [B, Q, L]
-        return self._stack.forward(h, cos, sin, [c.key for c in kv_caches], [c.value for c in kv_caches],
-                                   meta.slot_mapping, meta.kv_slots, meta.query_rows, mask)
+        out, features = self._stack.forward(h, cos, sin, [c.key for c in kv_caches], [c.value for c in kv_caches],
+                                            meta.slot_mapping, meta.kv_slots, meta.query_rows, mask, list(capture))
+        return out, (features if capture else None)
 
 
 def _projection(linear: torch.nn.Linear):

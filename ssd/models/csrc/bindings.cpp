@@ -21,5 +21,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &ssd::LayerStack::add_layer)
       .def_property_readonly("num_layers", &ssd::LayerStack::num_layers)
       .def("forward", &ssd::LayerStack::forward, py::call_guard<py::gil_scoped_release>(),
-           "the final-normed hidden states of a step (see layer_stack.py)");
+           "the final-normed hidden states of a step and the features of the capture layers (see layer_stack.py)");
 }

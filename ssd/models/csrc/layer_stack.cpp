@@ -55,15 +55,25 @@ at::Tensor LayerStack::attention(const DecoderLayerWeights& layer, at::Tensor no
   return layer.o(out.reshape({tokens, q_size}));  // [T, hidden]
 }
 
-at::Tensor LayerStack::forward(at::Tensor h, at::Tensor cos, at::Tensor sin, const std::vector<at::Tensor>& key_caches,
-                               const std::vector<at::Tensor>& value_caches, at::Tensor slot_mapping,
-                               at::Tensor kv_slots, at::Tensor query_rows, std::optional<at::Tensor> mask) const {
+std::tuple<at::Tensor, at::Tensor> LayerStack::forward(at::Tensor h, at::Tensor cos, at::Tensor sin,
+                                                       const std::vector<at::Tensor>& key_caches,
+                                                       const std::vector<at::Tensor>& value_caches,
+                                                       at::Tensor slot_mapping, at::Tensor kv_slots,
+                                                       at::Tensor query_rows, std::optional<at::Tensor> mask,
+                                                       const std::vector<int64_t>& capture) const {
   TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(),
               "LayerStack: expected ", layers_.size(), " key and value caches, got ", key_caches.size(), " and ",
               value_caches.size());
+  for (int64_t i : capture) {
+    TORCH_CHECK(i >= 0 && i < num_layers(), "LayerStack: feature layer ", i, " is not in [0, ", num_layers(), ")");
+  }
+  std::vector<at::Tensor> captured(capture.size());
   std::optional<at::Tensor> residual;
   for (size_t i = 0; i < layers_.size(); ++i) {
     const DecoderLayerWeights& layer = layers_[i];
+    for (size_t c = 0; c < capture.size(); ++c) {  // the residual stream entering layer i, as the Python layers
+      if (capture[c] == static_cast<int64_t>(i)) captured[c] = residual ? h + *residual : h.clone();
+    }
     auto [normed, summed] = add_rms_norm(h, residual, layer.input_norm, eps_);
     at::Tensor attn = attention(layer, normed, cos, sin, key_caches[i], value_caches[i], slot_mapping, kv_slots,
                                 query_rows, mask);
@@ -72,7 +82,8 @@ at::Tensor LayerStack::forward(at::Tensor h, at::Tensor cos, at::Tensor sin, con
     h = layer.down(at::silu(gate_up[0]).mul_(gate_up[1]));  // [T, hidden]
     residual = summed;
   }
-  return std::get<0>(add_rms_norm(h, residual, final_norm_, eps_));
+  at::Tensor out = std::get<0>(add_rms_norm(h, residual, final_norm_, eps_));
+  return {out, captured.empty() ? at::Tensor() : at::cat(captured, -1)};
 }
 
 }  // namespace ssd

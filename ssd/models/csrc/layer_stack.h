@@ -38,9 +38,14 @@ class LayerStack {
 
   // The final-normed hidden states [T, hidden] of the embedded tokens h [T, hidden]; every layer writes this
   // step's keys and values into its caches [slots, Hkv, D] at slot_mapping and attends with row_attention.
-  at::Tensor forward(at::Tensor h, at::Tensor cos, at::Tensor sin, const std::vector<at::Tensor>& key_caches,
-                     const std::vector<at::Tensor>& value_caches, at::Tensor slot_mapping, at::Tensor kv_slots,
-                     at::Tensor query_rows, std::optional<at::Tensor> mask) const;
+  // With `capture` (layer indices), also the hidden states entering those layers (the residual stream before
+  // each), concatenated in that order [T, n * hidden]: an EAGLE-3 head's features; else an undefined tensor.
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor h, at::Tensor cos, at::Tensor sin,
+                                             const std::vector<at::Tensor>& key_caches,
+                                             const std::vector<at::Tensor>& value_caches, at::Tensor slot_mapping,
+                                             at::Tensor kv_slots, at::Tensor query_rows,
+                                             std::optional<at::Tensor> mask,
+                                             const std::vector<int64_t>& capture) const;
 
  private:
   at::Tensor attention(const DecoderLayerWeights& layer, at::Tensor normed, const at::Tensor& cos,
