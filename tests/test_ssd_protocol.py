@@ -110,6 +110,20 @@ def test_speculate_round_trip():
     assert out.fallback is Fallback.JIT
     msg.fallback = Fallback.RANDOM  # the client sets the batch's fallback after building
     assert decode_message(msg.pack()).fallback is Fallback.RANDOM
+    assert out.target_features() == [None, None]  # a draft model's rounds carry no features
+
+
+def test_speculate_carries_an_eagle3_heads_target_features():
+    rows = np.arange(5 * 6, dtype=np.float32).reshape(5, 6)  # [positions, F]
+    msg = SpeculateMsg.from_lists(2, [5, 6, 7], [[9, 8, 7], [4], [3]], [2, -1, 0], [3, 3, 0],
+                                  target_features=[(10, rows[:3]), (0, rows[3:]), (4, rows[:0])])
+    out = decode_message(msg.pack())
+    got = out.target_features()
+    assert got[0][0] == 10 and np.array_equal(got[0][1], rows[:3]) and got[1][0] == 0
+    assert np.array_equal(got[1][1], rows[3:]) and got[2] is None and out.features.dtype == np.float32
+    arrays = {name: getattr(msg, name) for name in SpeculateMsg.ARRAYS} | {"feature_lengths": np.array([3, 1, 0])}
+    with pytest.raises(ProtocolError, match="feature_lengths sums to 4 but SpeculateMsg.features has 5 rows"):
+        SpeculateMsg(round_id=2, **arrays)
     msg.fallback = Fallback.AUTO  # a policy that picks a fallback, not one: refused when the message is read
     with pytest.raises(ProtocolError, match="fallback must be one of"):
         decode_message(msg.pack())

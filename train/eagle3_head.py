@@ -51,7 +51,8 @@ def target_path() -> str:
 
 
 # ------------------------------------------------------------------------------------------------ data
-def stage_data(out: Path, max_tokens: int, batch: int, limit: int | None) -> None:
+def stage_data(out: Path, max_tokens: int, batch: int, limit: int | None, append: bool = False) -> None:
+    """``append``: keep the sequences of an earlier run's ``features.pt`` and add the prompts after them."""
     from ssd import LLM, SamplingParams
     from ssd.models.eagle3 import default_feature_layers
     from ssd.runtime.forward_items import ForwardItem
@@ -63,7 +64,13 @@ def stage_data(out: Path, max_tokens: int, batch: int, limit: int | None) -> Non
     tp = all_prompts()
     chat = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in tp.chat]
     prompts = generation_order(chat, [tok.encode(s) for s in tp.stubs], [tok.encode(s) for s in tp.doc_stubs])
-    prompts = prompts[:limit]
+    kept: list[dict] = []
+    if append and (out / "features.pt").is_file():
+        kept = torch.load(out / "features.pt")["records"]
+    prompts = prompts[len(kept) : limit]
+    if not prompts:
+        logger.info("nothing to add: %d sequences already", len(kept))
+        return
     t0 = time.time()
     llm = LLM(model=path, dtype="float32", weight_format="dense", kv_cache_memory="2GiB", max_num_seqs=batch)
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
@@ -78,7 +85,7 @@ def stage_data(out: Path, max_tokens: int, batch: int, limit: int | None) -> Non
                          num_blocks=longest // 16 + 2)
     layers = default_feature_layers(runner.arch.num_hidden_layers)
     table = list(range(runner.num_blocks))
-    records = []
+    records = list(kept)
     with torch.inference_mode():
         for i, seq in enumerate(sequences):
             logits, features = runner.forward_with_features([ForwardItem(seq, 0, table, len(seq))], layers)
@@ -321,6 +328,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64, help="data: answer tokens per prompt")
     ap.add_argument("--batch", type=int, default=8, help="data: sequences per engine step; train: windows per step")
     ap.add_argument("--limit", type=int, default=None, help="data: only the first N prompts")
+    ap.add_argument("--append", action="store_true",
+                    help="data: keep the sequences already in features.pt and add the prompts after them")
     ap.add_argument("--run", default="run", help="train / export: the run's folder under --out")
     ap.add_argument("--steps", type=int, default=4, help="train: training-time-test steps per window")
     ap.add_argument("--window", type=int, default=96, help="train: rows per window")
@@ -339,7 +348,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     torch.set_num_threads(args.threads)
     if args.stage == "data":
-        stage_data(args.out, args.max_tokens, args.batch, args.limit)
+        stage_data(args.out, args.max_tokens, args.batch, args.limit, args.append)
     elif args.stage == "train":
         stage_train(args.out, args)
     else:

@@ -164,6 +164,8 @@ class SSDProposer:
     def observe_target(self, computed: list[tuple[int, int, int]], features: torch.Tensor) -> None:
         """The target's step computed, for each ``(seq_id, first position, count)`` in flat order, the rows of
         ``features [T, 3 Ht]``; the next round sends the worker those it keeps."""
+        if not self.available:  # no round will send them
+            return
         self._features.observe(computed, features)
         self._feature_width = features.shape[1]
 

@@ -21,6 +21,8 @@ exist only once the target has computed it) and no prefix caching (a row's K/V d
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import torch
 
 from ssd.core.kv_cache_manager import KVCacheManager
@@ -28,7 +30,15 @@ from ssd.options import Fallback, LookupConfig
 from ssd.runtime.forward_items import ForwardItem
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.async_draft.draft_engine import DraftEngine
-from ssd.speculative.async_draft.draft_state import Branch, DraftSeqState, SpeculateRow, SpeculationResult
+from ssd.speculative.async_draft.draft_state import (
+    Branch,
+    BuildStats,
+    CachedSpeculation,
+    DraftSeqState,
+    SpeculateRow,
+    SpeculationResult,
+)
+from ssd.speculative.async_draft.planning.fanout import FanOutPlan
 from ssd.speculative.drafting import DraftDistribution
 from ssd.speculative.head_runner import HeadRunner, draft_with_head
 from ssd.speculative.target_features import TargetFeatureLog
@@ -67,7 +77,7 @@ class HeadDraftEngine(DraftEngine):
         self.features.release(seq_id)
         self.glue_outputs.pop(seq_id, None)
 
-    def _commit(self, state: DraftSeqState, row: SpeculateRow):
+    def _commit(self, state: DraftSeqState, row: SpeculateRow) -> CachedSpeculation | None:
         if row.target_features is not None:
             first, rows = row.target_features
             self.features.observe([(row.seq_id, first, len(rows))], self.runner.fuse(rows))
@@ -126,7 +136,8 @@ class HeadDraftEngine(DraftEngine):
         return out  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ cache building
-    def build_cache(self, fan_outs, should_stop=None):
+    def build_cache(self, fan_outs: Mapping[int, FanOutPlan],
+                    should_stop: Callable[[], bool] | None = None) -> BuildStats:
         try:
             return super().build_cache(fan_outs, should_stop)
         finally:
