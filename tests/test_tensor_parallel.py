@@ -139,6 +139,30 @@ def test_tp2_speculative_greedy_equals_tp1_ar(checkpoint_factory, tmp_path, meth
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("method", ["eagle3", "ssd"])
+def test_tp2_speculation_with_an_eagle3_head_equals_tp1_ar(checkpoint_factory, tmp_path, method):
+    """The driver takes the target's features from its own pass (the residual stream is whole on every rank)
+    while the other rank runs the same pass; the head reads the whole embedding, not the driver's shard. The
+    head's drafts come from those features: with the features of TP = 1 they are the same drafts."""
+    from eagle3_utils import LAYERS, make_eagle3_head
+
+    target = checkpoint_factory("llama", num_heads=4, num_kv_heads=2)
+    head = make_eagle3_head(tmp_path / "head", vocab_size=512, target_hidden_size=64, hidden_size=64,
+                            feature_layers=LAYERS, seed=3)
+    spec = dict(method=method, model=str(head), num_speculative_tokens=3, adaptive_lookahead=False,
+                interruptible_build=False, fan_out=2, fallback="jit")  # SSD's trees independent of timing
+    reference = _generate(target)
+    drafts = {}
+    for tp in (1, 2):
+        llm = LLM(str(target), **ENGINE, tensor_parallel_size=tp, speculative_config=spec)
+        try:
+            assert [out.token_ids for out in llm.generate(PROMPTS, GREEDY)] == reference
+            drafts[tp] = llm.engine.spec_stats.num_draft_tokens
+        finally:
+            llm.shutdown()
+    assert drafts[2] == drafts[1] > 0
+
+
 # ----------------------------------------------------------------------------------------- failures
 def test_dead_worker_rank_is_a_clear_error_and_shutdown_leaves_no_process(checkpoint_factory):
     path = checkpoint_factory("llama", num_heads=4, num_kv_heads=2)

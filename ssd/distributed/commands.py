@@ -11,9 +11,11 @@ if TYPE_CHECKING:
 
 @dataclass
 class ForwardCommand:
-    """Run one forward pass on these items (the driver runs the same pass on its shard)."""
+    """Run one forward pass on these items (the driver runs the same pass on its shard). ``eager``: through the
+    layers one by one, never a captured graph (the driver's pass takes the target's features)."""
 
     items: list[ForwardItem]
+    eager: bool = False
 
 
 @dataclass

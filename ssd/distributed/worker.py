@@ -108,4 +108,4 @@ def serve(runner: "ModelRunner", group: TensorParallelGroup) -> None:
             return
         if not isinstance(command, ForwardCommand):
             raise TypeError(f"tensor-parallel worker got an unknown command {type(command).__name__}")
-        runner.forward(command.items)
+        runner.forward(command.items, eager=command.eager)

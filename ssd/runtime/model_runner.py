@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -173,35 +173,43 @@ class ModelRunner:
         return GraphRunner(self.model, self.kv_caches, self.num_blocks * self.block_size, config, input_map)
 
     @torch.inference_mode()
-    def forward(self, items: list[ForwardItem]) -> torch.Tensor | None:
+    def forward(self, items: list[ForwardItem], eager: bool = False) -> torch.Tensor | None:
         """Run one forward pass; returns float32 logits ``[sum(num_logits), V]`` in item order (``None`` on
-        tensor-parallel worker ranks)."""
+        tensor-parallel worker ranks). ``eager``: never through a captured graph."""
+        return self._on_every_rank(items, lambda: self._forward(items, eager), eager)
+
+    def _on_every_rank(self, items: list[ForwardItem], run: Callable[[], Any], eager: bool = False) -> Any:
+        """``run()`` here, the tensor-parallel driver first telling the other ranks to run the same pass."""
         if self.tp is None or not self.tp.is_driver:
-            return self._forward(items)
+            return run()
         self.tp.check_health()
         try:
-            self.tp.broadcast_object(ForwardCommand(items))
-            return self._forward(items)
+            self.tp.broadcast_object(ForwardCommand(items, eager))
+            return run()
         except RuntimeError as err:  # gloo/NCCL errors are RuntimeErrors; name the dead rank if there is one
             raise self.tp.failure_error(err) from err
 
-    def _forward(self, items: list[ForwardItem]) -> torch.Tensor | None:
+    def _forward(self, items: list[ForwardItem], eager: bool = False) -> torch.Tensor | None:
         flat = flatten_items(items, self.block_size)
-        if self.graph_runner is not None:
+        if self.graph_runner is not None and not eager:
             logits = self.graph_runner.run(flat.token_ids, flat.positions, flat.layouts, flat.logit_rows)
             if logits is not None:  # None: no bucket fits
                 return logits  # [N, V] float32
         return self._eager(flat, ())[0]
 
+    @torch.inference_mode()
     def forward_with_features(
         self, items: list[ForwardItem], layers: Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward`, plus the hidden states entering the target's ``layers`` for every token of the step,
         items in order: ``(logits [N, V], features [T, len(layers) * hidden])``, from the same pass (what an
-        EAGLE-3 head reads; :meth:`ssd.models.decoder.DecoderLM.forward_features`). Eager, on one rank."""
-        if self.tp is not None:
-            raise ValueError("the target's features are not gathered under tensor parallelism yet")
-        return self._eager(flatten_items(items, self.block_size), layers)
+        EAGLE-3 head reads; :meth:`ssd.models.decoder.DecoderLM.forward_features`). Eager; under tensor
+        parallelism the driver's (the residual stream is whole on every rank) while the others run the same
+        pass."""
+        if self.tp is not None and not self.tp.is_driver:
+            raise ValueError("the target's features are taken on the tensor-parallel driver")
+        flat = flatten_items(items, self.block_size)
+        return self._on_every_rank(items, lambda: self._eager(flat, layers), eager=True)
 
     def _eager(self, flat: FlatStep, layers: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
         step = build_step_tensors(flat.token_ids, flat.positions, flat.layouts, flat.logit_rows, self.device)

@@ -73,14 +73,20 @@ def _draft_runner(config: EngineConfig, target: TargetFacts, extra_tokens_per_se
 def _eagle3_proposer(
     config: EngineConfig, target: TargetFacts, default_generator: torch.Generator, runner: ModelRunner | None
 ) -> Proposer:
+    from ssd.dtypes import torch_dtype
+    from ssd.models.loader import load_input_embedding
     from ssd.speculative.eagle3_proposer import Eagle3Proposer
     from ssd.speculative.head_runner import load_head
 
     spec = config.spec
-    if runner is None or runner.tp is not None:
-        raise ValueError("method 'eagle3' runs the head beside a target on one rank (no tensor parallelism yet)")
+    if runner is None:
+        raise ValueError("method 'eagle3' runs the head beside the target's driver rank")
     device = torch.device(spec.draft_device or config.device)
-    head, layers = load_head(spec, runner.arch, runner.model.embed_tokens.weight, device)
+    # Under tensor parallelism the driver holds a shard of the vocabulary: a head without its own embedding then
+    # reads the target's whole embedding from the checkpoint.
+    embedding = runner.model.embed_tokens.weight if runner.tp is None else load_input_embedding(
+        config.model, torch_dtype(spec.draft_dtype))
+    head, layers = load_head(spec, runner.arch, embedding, device)
     K = spec.num_speculative_tokens
     distribution = DraftDistribution(target.vocab_size, target.vocab_size, head.draft_to_target.to(device))
     return Eagle3Proposer(head, layers, draft_num_blocks(config, target, K), config.block_size, distribution,

@@ -29,9 +29,6 @@ def build_ssd_proposer(
     budget = max(max_fan_out_budget(f, K, spec.fan_out_budget) for f in spec.fan_outs)
     feature_layers = None
     if is_eagle3_head(spec.model):  # the draft is an EAGLE-3 head: the target sends it its features
-        if config.tensor_parallel_size > 1:
-            raise ValueError("SSD with an EAGLE-3 head reads the target's features on one rank (no tensor "
-                             "parallelism yet)")
         feature_layers = head_feature_layers(spec, load_arch_config(config.model))
         usable = target.vocab_size  # the head's draft vocabulary (d2t) says which ids it proposes
     else:
