@@ -24,6 +24,7 @@ from ssd.outputs import RequestMetrics, RequestOutput, SpecStats
 from ssd.placement import CpuPinning, plan_engine_layout, start_target_runner
 from ssd.request import EncodedPrompt, Request
 from ssd.resolve import resolve_config
+from ssd.sample.penalties import check_token_ids
 from ssd.sample.sampler import make_generator
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.factory import build_proposer
@@ -119,6 +120,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        check_token_ids(params, self.runner.vocab_size)
         text, token_ids = prompt if isinstance(prompt, EncodedPrompt) else self.encode_prompt(prompt)
         seq_id = next(self._seq_ids)
         now = time.monotonic()

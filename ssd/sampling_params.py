@@ -30,14 +30,27 @@ class SamplingParams:
     """How one request samples its tokens and when it stops.
 
     temperature: 0 means greedy (argmax). top_k: 0 or -1 disables it (-1 is normalised to 0); top_k == 1
-    is greedy too. top_p: nucleus mass in (0, 1]; 1 disables it. seed: a per-request generator so the
-    request's tokens do not depend on which other requests share its batch. stop: normalised to a list.
-    logprobs: None for none, 0 for the chosen token's logprob only, n > 0 for the top-n as well.
+    is greedy too. top_p: nucleus mass in (0, 1]; 1 disables it. min_p: drop tokens whose probability is below
+    min_p times the likeliest one's (0 disables it). seed: a per-request generator so the request's tokens do not
+    depend on which other requests share its batch. stop: normalised to a list. logprobs: None for none, 0 for
+    the chosen token's logprob only, n > 0 for the top-n as well.
+
+    Penalties change the target's logits before any of that (``ssd/sample/penalties.py``), greedy requests
+    included, at every position a step computes, a verified draft position counting the drafts before it as
+    generated: logit_bias (token id -> added to its logit, in [-100, 100]), repetition_penalty (> 0, 1 = off:
+    a token already in the prompt or the output has a positive logit divided by it, a negative one multiplied),
+    frequency_penalty and presence_penalty (in [-2, 2], 0 = off: subtract the penalty times the token's count in
+    the output, and once for any token in the output), in that order.
     """
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     max_tokens: int = 16
     min_tokens: int = 0
@@ -72,6 +85,11 @@ class SamplingParams:
             )
         if k == -1:
             self.top_k = 0
+        m = self.min_p
+        if not _is_number(m) or not (0.0 <= m <= 1.0):
+            raise ValueError(f"min_p must be a number in [0, 1] (0 disables it), got {m!r}")
+        self.min_p = float(m)
+        self._validate_penalties()
         s = self.seed
         if s is not None and (not _is_int(s) or not (0 <= s <= _MAX_SEED)):
             raise ValueError(f"seed must be None or an integer in [0, 2**64 - 1], got {s!r}")
@@ -81,6 +99,39 @@ class SamplingParams:
                 f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] "
                 f"(0 = the chosen token's logprob only), got {lp!r}"
             )
+
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not (-2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be a number in [-2, 2] (0 disables it), got {value!r}")
+            setattr(self, name, float(value))
+        r = self.repetition_penalty
+        if not _is_number(r) or not math.isfinite(r) or r <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {r!r}")
+        self.repetition_penalty = float(r)
+        bias = self.logit_bias
+        if bias is None or bias == {}:
+            self.logit_bias = None
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a map of token ids to numbers in [-100, 100], got {bias!r}")
+        normalised = {}
+        for token, value in bias.items():
+            if isinstance(token, str) and token.strip().isdigit():  # JSON object keys are strings
+                token = int(token)
+            if not _is_int(token) or token < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+            if not _is_number(value) or not (-100.0 <= value <= 100.0):
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")
+            normalised[token] = float(value)
+        self.logit_bias = normalised
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the target's logits change with the tokens before a position (or by a fixed bias)."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 \
+            or self.frequency_penalty != 0.0
 
     def _validate_lengths(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:

@@ -19,6 +19,7 @@ from ssd.core.sequence import Sequence
 from ssd.outputs import TokenLogprob
 from ssd.runtime.forward_items import ForwardItem
 from ssd.runtime.model_runner import ModelRunner
+from ssd.sample.penalties import PenaltyRow, apply_penalties
 from ssd.sample.rejection import verify
 from ssd.sample.sampler import SamplingTensors, compute_logprobs, processed_probs, sample
 from ssd.speculative.proposal import Proposal, ProposalRequest, Proposer, VerifiedRound
@@ -102,6 +103,7 @@ class StepExecutor:
         sample_rows: list[tuple[Sequence, int]] = []  # (seq, logits row)
         spec_seqs: list[tuple[Sequence, int, int]] = []  # (seq, first logits row, proposal row)
         row_params = []  # sampling params of every logits row
+        penalised: list[PenaltyRow] = []  # rows whose logits depend on the tokens before them
         for s, item in zip(scheduled, items):
             seq = s.seq
             result.num_computed[seq.seq_id] = seq.num_computed_tokens + s.num_new_tokens
@@ -112,9 +114,16 @@ class StepExecutor:
                 sample_rows.append((seq, offset))
             else:
                 spec_seqs.append((seq, offset, row))
-            row_params.extend([seq.sampling_params] * item.num_logits)
+            params = seq.sampling_params
+            row_params.extend([params] * item.num_logits)
+            if params.has_penalties:  # position j of a round counts the drafts before it as generated
+                before = item.token_ids[len(item.token_ids) - item.num_logits + 1 :]  # the round's drafts
+                output = seq.output_token_ids
+                penalised.extend(PenaltyRow(offset + j, params, seq.prompt_token_ids, output + before[:j])
+                                 for j in range(item.num_logits))
             offset += item.num_logits
 
+        apply_penalties(logits, penalised)
         _ban_tokens(logits, [(r, contexts[seq.seq_id].banned_token_ids) for seq, r in sample_rows])
         probs = processed_probs(logits, SamplingTensors.from_params(row_params, logits.device))  # [N, V]
 

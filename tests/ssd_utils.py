@@ -21,6 +21,7 @@ from scipy import stats
 from model_utils import PagedSession
 from ssd import LLM
 from ssd.models.loader import load_model
+from ssd.sample.penalties import PenaltyRow, apply_penalties
 from ssd.sample.sampler import SamplingTensors, processed_probs
 from ssd.sampling_params import SamplingParams
 
@@ -59,7 +60,8 @@ class ExactJoint:
 
 @torch.inference_mode()
 def exact_joint(model_path: Path, prompt: list[int], num_tokens: int, params: SamplingParams) -> ExactJoint:
-    """Enumerate the target's processed distribution (temperature, top-k, top-p) over ``num_tokens`` steps.
+    """Enumerate the target's processed distribution (penalties, temperature, top-k, top-p, min-p) over
+    ``num_tokens`` steps.
 
     Only practical when the support per step is tiny (e.g. top_k=2): the tree has support**num_tokens leaves.
     """
@@ -73,6 +75,7 @@ def exact_joint(model_path: Path, prompt: list[int], num_tokens: int, params: Sa
             tokens = prompt + list(path)
             session = PagedSession(model, num_blocks=(len(tokens) // 4) + 2, block_size=4)
             logits = session.step({0: tokens})[0][-1:]  # [1, V]
+            apply_penalties(logits, [PenaltyRow(0, params, prompt, list(path))])
             probs = processed_probs(logits, st)[0].double()  # [V]
             for token in torch.nonzero(probs > 0).flatten().tolist():
                 nxt[path + (token,)] = mass * float(probs[token])

@@ -33,9 +33,11 @@ class SamplingTensors:
     temperature: torch.Tensor  # [N] float32, > 0
     top_k: torch.Tensor  # [N] int64, 0 = off
     top_p: torch.Tensor  # [N] float32 in (0, 1], 1 = off
+    min_p: torch.Tensor  # [N] float32 in [0, 1], 0 = off
     greedy: torch.Tensor  # [N] bool
     any_top_k: bool
     any_top_p: bool
+    any_min_p: bool
     all_greedy: bool
     max_top_k: int  # largest active top_k (0 if none): bounds the torch.topk width without a device sync
 
@@ -47,13 +49,16 @@ class SamplingTensors:
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
         top_ks = [0 if g or p.top_k <= 0 else p.top_k for p, g in zip(params, greedy)]
         top_ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        min_ps = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
         return cls(
             temperature=torch.tensor(temps, dtype=torch.float32, device=device),
             top_k=torch.tensor(top_ks, dtype=torch.int64, device=device),
             top_p=torch.tensor(top_ps, dtype=torch.float32, device=device),
+            min_p=torch.tensor(min_ps, dtype=torch.float32, device=device),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             any_top_k=any(k > 0 for k in top_ks),
             any_top_p=any(p < 1.0 for p in top_ps),
+            any_min_p=any(p > 0.0 for p in min_ps),
             all_greedy=bool(greedy) and all(greedy),
             max_top_k=max(top_ks, default=0),
         )
@@ -68,9 +73,11 @@ class SamplingTensors:
             temperature=self.temperature.repeat_interleave(repeats),  # [N*S]
             top_k=self.top_k.repeat_interleave(repeats),  # [N*S]
             top_p=self.top_p.repeat_interleave(repeats),  # [N*S]
+            min_p=self.min_p.repeat_interleave(repeats),  # [N*S]
             greedy=self.greedy.repeat_interleave(repeats),  # [N*S]
             any_top_k=self.any_top_k,
             any_top_p=self.any_top_p,
+            any_min_p=self.any_min_p,
             all_greedy=self.all_greedy,
             max_top_k=self.max_top_k,
         )
@@ -97,6 +104,8 @@ def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
       whose cumulative probability reaches top_p (a token is kept iff the mass strictly before it is
       < top_p, so the most likely token always survives), then also keep every token whose probability
       equals that of the last kept one (ties at the boundary are all kept, as for top-k).
+    - min-p (last, on the renormalised probabilities): keep every token whose probability is >= min_p times the
+      largest; the likeliest tokens always survive.
     Logits must be finite or -inf (masked); a row of all -inf has no distribution.
     """
     if logits.dim() == 3:
@@ -121,6 +130,9 @@ def processed_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     probs = torch.softmax(x, dim=-1)  # [N, V]
     if st.any_top_p:
         probs = _apply_top_p(probs, st.top_p)
+    if st.any_min_p:
+        kept = torch.where(probs >= st.min_p[:, None] * probs.amax(dim=-1, keepdim=True), probs, 0.0)  # [N, V]
+        probs = kept / kept.sum(dim=-1, keepdim=True)
     return torch.where(st.greedy[:, None], one_hot, probs)  # [N, V]
 
 
