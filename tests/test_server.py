@@ -320,6 +320,24 @@ def test_logprobs_match_engine(ar_server, target):
     assert all(e.top_logprobs[0].logprob >= e.top_logprobs[-1].logprob for e in content)
 
 
+@pytest.mark.parametrize("server", ["ar_server", "ssd_server"])
+def test_penalties_and_logit_bias_match_the_engine(request, server, target):
+    """The server passes the penalties, logit_bias (string keys, as JSON has them) and min_p through unchanged:
+    the official client's greedy completion equals the engine's AR with the same options, under SSD too."""
+    url = request.getfixturevalue(server).url
+    options = dict(presence_penalty=0.5, frequency_penalty=0.8, logit_bias={"42": 4.0})
+    extra = dict(repetition_penalty=1.3, min_p=0.1)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, presence_penalty=0.5, frequency_penalty=0.8,
+                            logit_bias={42: 4.0}, repetition_penalty=1.3, min_p=0.1)
+    with LLM(str(target), **ENGINE_OPTIONS) as llm:
+        expected = llm.generate([PROMPTS[0]], params)[0].text
+        plain = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))[0].text
+    assert expected != plain
+    r = client(url).completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body=extra, **options)
+    assert r.choices[0].text == expected
+
+
 def test_stop_string_and_seed(ar_server, reference):
     c = client(ar_server.url)
     text = reference.completions[3]
@@ -357,6 +375,13 @@ BAD_REQUESTS = [
     ("completions", b'{"prompt": "hi", "logprobs": 99}', 400, "logprobs"),
     ("completions", b'{"prompt": "hi", "stop": [""]}', 400, "stop"),
     ("completions", b'{"prompt": "hi", "n": 2}', 400, "n"),
+    ("completions", b'{"prompt": "hi", "presence_penalty": 3}', 400, "presence_penalty"),
+    ("completions", b'{"prompt": "hi", "frequency_penalty": -2.5}', 400, "frequency_penalty"),
+    ("completions", b'{"prompt": "hi", "repetition_penalty": 0}', 400, "repetition_penalty"),
+    ("completions", b'{"prompt": "hi", "min_p": 2}', 400, "min_p"),
+    ("completions", b'{"prompt": "hi", "logit_bias": {"x": 1}}', 400, "logit_bias"),
+    ("completions", b'{"prompt": "hi", "logit_bias": {"5": 500}}', 400, "logit_bias"),
+    ("completions", b'{"prompt": "hi", "logit_bias": {"600000": 5}}', 400, "logit_bias"),
     ("completions", b'{"prompt": "hi", "echo": true}', 400, "echo"),
     ("completions", b'{"prompt": "hi", "stream_options": {"include_usage": true}}', 400, "stream_options"),
     ("completions", b'{"prompt": [600000]}', 400, "prompt"),

@@ -259,6 +259,7 @@ def _draft_sequences(proposer: Any) -> int | None:
 
 _PARAM_NAMES = (
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "stop", "logprobs",
+    "logit_bias",
 )
 
 

@@ -74,6 +74,8 @@ class _Common(_Strict):
     user: str | None = None
     # vLLM-style extensions
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
@@ -162,9 +164,6 @@ def _unsupported(name: str, value: Any, allowed: tuple[Any, ...], what: str) -> 
 
 def _check_common(req: _Common) -> None:
     _unsupported("n", req.n, (1,), "only n=1")
-    _unsupported("presence_penalty", req.presence_penalty, (0, 0.0), "only 0")
-    _unsupported("frequency_penalty", req.frequency_penalty, (0, 0.0), "only 0")
-    _unsupported("logit_bias", req.logit_bias, ({},), "only an empty map")
     if req.stream_options is not None and not req.stream:
         raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
 
@@ -185,6 +184,11 @@ def _sampling(req: _Common, max_tokens: int, logprobs: int | None, max_tokens_pa
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=0 if req.top_k is None else req.top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+        frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=req.logit_bias,
         seed=req.seed,
         min_tokens=req.min_tokens or 0,
         stop=_stop_list(req.stop),
