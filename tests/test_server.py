@@ -338,6 +338,32 @@ def test_penalties_and_logit_bias_match_the_engine(request, server, target):
     assert r.choices[0].text == expected
 
 
+def test_n_choices_with_independent_seeds(ar_server, target):
+    """n choices per prompt, indexed prompt by prompt; a seeded request's choice j samples with seed + j (each
+    reproducible, the choices independent); greedy choices are all the greedy text; chat streams every choice.
+    (Seeded sampling reproduces within a mode; under speculation the same seed draws differently.)"""
+    sampled = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=7)
+    with LLM(str(target), **ENGINE_OPTIONS) as llm:
+        expected = [llm.generate([p], SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=7 + j))[0].text
+                    for p in PROMPTS[:2] for j in range(3)]
+        chat = llm.chat([[{"role": "user", "content": PROMPTS[0]}]], sampled)[0].text
+    assert len(set(expected[:3])) > 1  # the choices differ
+    c = client(ar_server.url)
+    r = c.completions.create(model=MODEL_NAME, prompt=PROMPTS[:2], n=3, max_tokens=MAX_TOKENS, temperature=1.0,
+                             seed=7)
+    assert [ch.index for ch in r.choices] == list(range(6)) and [ch.text for ch in r.choices] == expected
+    assert r.usage.completion_tokens == 6 * MAX_TOKENS
+    r = c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": PROMPTS[0]}], n=2,
+                                  max_tokens=MAX_TOKENS, temperature=0)
+    assert len(r.choices) == 2 and r.choices[0].message.content == r.choices[1].message.content
+    texts = ["", ""]
+    for event in c.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": PROMPTS[0]}],
+                                           n=2, max_tokens=MAX_TOKENS, temperature=1.0, seed=7, stream=True):
+        for ch in event.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert texts[0] == chat and texts[1] != texts[0]
+
+
 def test_stop_string_and_seed(ar_server, reference):
     c = client(ar_server.url)
     text = reference.completions[3]
@@ -374,7 +400,8 @@ BAD_REQUESTS = [
     ("completions", b'{"prompt": "hi", "seed": -1}', 400, "seed"),
     ("completions", b'{"prompt": "hi", "logprobs": 99}', 400, "logprobs"),
     ("completions", b'{"prompt": "hi", "stop": [""]}', 400, "stop"),
-    ("completions", b'{"prompt": "hi", "n": 2}', 400, "n"),
+    ("completions", b'{"prompt": "hi", "n": 17}', 400, "n"),
+    ("completions", b'{"prompt": "hi", "n": 0}', 400, "n"),
     ("completions", b'{"prompt": "hi", "presence_penalty": 3}', 400, "presence_penalty"),
     ("completions", b'{"prompt": "hi", "frequency_penalty": -2.5}', 400, "frequency_penalty"),
     ("completions", b'{"prompt": "hi", "repetition_penalty": 0}', 400, "repetition_penalty"),

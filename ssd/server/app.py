@@ -147,17 +147,18 @@ def create_app(
         parsed = protocol.parse_chat(await read_json(request, max_body_bytes), engine.max_model_len)
         check_model(parsed.model, accepted_names)
         requests = [
-            GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", parsed.params[0], messages=parsed.messages,
+            GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}-{i}", params, messages=parsed.messages,
                               max_tokens_explicit=parsed.max_tokens_explicit, prompt_param="messages",
                               max_tokens_param=parsed.max_tokens_param)
+            for i, params in enumerate(parsed.params)  # one per choice
         ]
         streams = await submit(async_engine, requests, metrics)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         if parsed.stream:
-            body = chat_events(streams[0], parsed, response_id, model_name)
+            body = chat_events(streams, parsed, response_id, model_name)
             return _EventStream(body, on_close=lambda: abort_all(streams))
         deltas = await collect_or_abort(request, streams)
-        return JSONResponse(chat_body(deltas[0], parsed, response_id, model_name))
+        return JSONResponse(chat_body(deltas, parsed, response_id, model_name))
 
     app.add_middleware(_HttpMetrics, metrics=metrics)
     return app

@@ -18,6 +18,7 @@ from ssd.sampling_params import SamplingParams
 from ssd.server.messages import LogprobEntry
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CHOICES = 16  # the most choices (n) one request may ask for per prompt
 
 
 class ApiError(Exception):
@@ -163,7 +164,8 @@ def _unsupported(name: str, value: Any, allowed: tuple[Any, ...], what: str) -> 
 
 
 def _check_common(req: _Common) -> None:
-    _unsupported("n", req.n, (1,), "only n=1")
+    if req.n is not None and not 1 <= req.n <= MAX_CHOICES:
+        raise invalid(f"'n' must be an integer in [1, {MAX_CHOICES}], got {req.n}", "n")
     if req.stream_options is not None and not req.stream:
         raise invalid("'stream_options' is only allowed when 'stream' is true", "stream_options")
 
@@ -176,6 +178,19 @@ def _stop_list(value: Any) -> list[str] | None:
     if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value):
         raise invalid(f"'stop' must be a non-empty string or a list of non-empty strings, got {value!r}", "stop")
     return value
+
+
+def _choices(req: _Common, max_tokens: int, logprobs: int | None, max_tokens_param: str) -> list[SamplingParams]:
+    """One prompt's ``n`` choices: the request's options, the seed (if any) advanced by one per choice so the
+    choices are independent and each reproducible."""
+    params = _sampling(req, max_tokens, logprobs, max_tokens_param)
+    out = [params]
+    for i in range(1, req.n or 1):
+        choice = params.clone()
+        if params.seed is not None:
+            choice.seed = (params.seed + i) % 2**64
+        out.append(choice)
+    return out
 
 
 def _sampling(req: _Common, max_tokens: int, logprobs: int | None, max_tokens_param: str) -> SamplingParams:
@@ -214,7 +229,7 @@ class ParsedRequest:
     model: str | None
     prompts: list[str | list[int]] | None  # completions
     messages: list[dict[str, Any]] | None  # chat
-    params: list[SamplingParams]  # one per prompt (each request needs its own, the engine adjusts it)
+    params: list[SamplingParams]  # one per choice (each request needs its own, the engine adjusts it)
     max_tokens_explicit: bool
     max_tokens_param: str
     stream: bool
@@ -231,7 +246,8 @@ def parse_completion(body: Any) -> ParsedRequest:
     prompts = _prompts(req.prompt)
     explicit = req.max_tokens is not None
     max_tokens = req.max_tokens if explicit else COMPLETION_DEFAULT_MAX_TOKENS
-    params = [_sampling(req, max_tokens, req.logprobs, "max_tokens") for _ in prompts]
+    params = [choice for _ in prompts for choice in _choices(req, max_tokens, req.logprobs, "max_tokens")]
+    prompts = [prompt for prompt in prompts for _ in range(req.n or 1)]  # choice i*n + j: prompt i's j-th
     return ParsedRequest(
         req.model, prompts, None, params, explicit, "max_tokens", bool(req.stream), _include_usage(req),
         req.logprobs is not None,
@@ -277,7 +293,7 @@ def parse_chat(body: Any, max_model_len: int) -> ParsedRequest:
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     explicit = limit is not None
-    params = [_sampling(req, limit if explicit else max_model_len, logprobs, limit_param)]
+    params = _choices(req, limit if explicit else max_model_len, logprobs, limit_param)
     return ParsedRequest(req.model, None, messages, params, explicit, limit_param, bool(req.stream),
                          _include_usage(req), logprobs is not None)
 

@@ -61,24 +61,26 @@ def completion_body(results: list[list[StreamDelta]], parsed: ParsedRequest, res
     }
 
 
-def chat_body(deltas: list[StreamDelta], parsed: ParsedRequest, response_id: str, model: str) -> dict[str, Any]:
-    logprobs = None
-    if parsed.logprobs:
-        logprobs = protocol.chat_logprobs([e for d in deltas for e in (d.logprobs or [])])
+def chat_body(results: list[list[StreamDelta]], parsed: ParsedRequest, response_id: str,
+              model: str) -> dict[str, Any]:
+    choices = []
+    for index, deltas in enumerate(results):
+        logprobs = None
+        if parsed.logprobs:
+            logprobs = protocol.chat_logprobs([e for d in deltas for e in (d.logprobs or [])])
+        choices.append({
+            "index": index,
+            "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
+            "logprobs": logprobs,
+            "finish_reason": deltas[-1].finish_reason,
+        })
     return {
         "id": response_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
-                "logprobs": logprobs,
-                "finish_reason": deltas[-1].finish_reason,
-            }
-        ],
-        "usage": _usage([deltas[-1]]),
+        "choices": choices,
+        "usage": _usage([deltas[-1] for deltas in results]),
     }
 
 
@@ -160,34 +162,35 @@ async def completion_events(streams: list[RequestStream], parsed: ParsedRequest,
     yield _event("[DONE]")
 
 
-async def chat_events(stream: RequestStream, parsed: ParsedRequest, response_id: str,
+async def chat_events(streams: list[RequestStream], parsed: ParsedRequest, response_id: str,
                        model: str) -> AsyncIterator[str]:
     created = int(time.time())
     base = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
 
-    def chunk(delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> str:
+    def chunk(index: int, delta: dict[str, Any], finish_reason: str | None = None, logprobs: Any = None) -> str:
         data: dict[str, Any] = dict(base)
-        data["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        data["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
         if parsed.include_usage:
             data["usage"] = None
         return _event(data)
 
-    yield chunk({"role": "assistant", "content": ""})
-    final: StreamDelta | None = None
+    for index in range(len(streams)):
+        yield chunk(index, {"role": "assistant", "content": ""})
+    finals: list[StreamDelta] = []
     try:
-        async for delta in stream:
+        async for index, delta in _merge(streams):
             if delta.error is not None:
                 yield _stream_error(delta)
                 break
             logprobs = protocol.chat_logprobs(delta.logprobs or []) if parsed.logprobs else None
             if delta.text or delta.logprobs:
-                yield chunk({"content": delta.text}, None, logprobs)
+                yield chunk(index, {"content": delta.text}, None, logprobs)
             if delta.finished:
-                final = delta
-                yield chunk({}, delta.finish_reason)
+                finals.append(delta)
+                yield chunk(index, {}, delta.finish_reason)
         else:
-            if parsed.include_usage and final is not None:
-                yield _event(dict(base, choices=[], usage=_usage([final])))
+            if parsed.include_usage and finals:
+                yield _event(dict(base, choices=[], usage=_usage(finals)))
     except EngineDeadError as exc:
         yield _stream_error(None, exc)
     yield _event("[DONE]")
