@@ -556,12 +556,13 @@ async def _concurrent_streams(url: str, prompts: list[str], chat: bool) -> list[
                 stream = await c.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
             else:
                 stream = await c.completions.create(prompt=prompt, **common)
-            parts, usage = [], None
+            parts, usage, metrics = [], None, None
             async for chunk in stream:
                 for choice in chunk.choices:
                     parts.append((choice.delta.content or "") if chat else choice.text)
                 usage = chunk.usage or usage
-            return "".join(parts), usage.model_dump()
+                metrics = (chunk.model_extra or {}).get("metrics") or metrics
+            return "".join(parts), {**usage.model_dump(), "metrics": metrics}
 
         return await asyncio.gather(*(one(p) for p in prompts))
 
@@ -585,7 +586,16 @@ def _check_speculative_server(url: str, reference: Reference, method: str) -> No
     # a non-streaming request agrees too
     r = client(url).completions.create(model=MODEL_NAME, prompt=PROMPTS[5], **GREEDY_BODY)
     assert r.choices[0].text == reference.completions[5]
-    usages.append(r.usage.model_dump())
+    usages.append({**r.usage.model_dump(), "metrics": r.model_extra["metrics"]})
+    for usage in usages:  # vLLM's per-request metrics: this request's counters again
+        spec, metrics = usage["speculative"], usage["metrics"]["speculative_decoding"]
+        assert metrics["num_spec_steps"] == spec["num_drafts"]
+        for key in ("num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length", "cache_lookups",
+                    "cache_hits", "fallbacks"):
+            assert metrics[key] == spec[key], key
+        assert metrics["draft_acceptance_rate"] == spec["acceptance_rate"]
+        assert sum(metrics["acceptance_histogram"].values()) == spec["num_drafts"]
+        assert sum(int(k) * n for k, n in metrics["acceptance_histogram"].items()) == spec["num_accepted_tokens"]
     # engine-wide counters grew by exactly the per-request ones
     after = wait_idle(url)
     for usage_key, name in [("num_drafts", "ssd:spec_decode_num_drafts_total"),

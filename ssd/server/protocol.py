@@ -368,6 +368,27 @@ def usage_dict(
     return usage
 
 
+def response_metrics(spec: SpecStats | None, num_choices: int) -> dict[str, Any] | None:
+    """A response's per-request ``metrics`` in vLLM's place for them: ``speculative_decoding`` (steps, draft and
+    accepted tokens, mean acceptance length with the bonus token, draft acceptance rate, and the histogram of
+    accepted drafts per step with its zero buckets left out), plus SSD's cache lookups and hits and the fallbacks
+    that served its misses. None without speculation, and for n > 1 (as vLLM: they describe one stream)."""
+    if spec is None or num_choices != 1:
+        return None
+    histogram = {str(k): n for k, n in enumerate(spec.acceptance_histogram) if n}
+    return {"speculative_decoding": {
+        "num_spec_steps": spec.num_drafts,
+        "num_draft_tokens": spec.num_draft_tokens,
+        "num_accepted_tokens": spec.num_accepted_tokens,
+        "mean_acceptance_length": spec.mean_acceptance_length,
+        "draft_acceptance_rate": spec.acceptance_rate,
+        "acceptance_histogram": histogram,
+        "cache_lookups": spec.cache_lookups,
+        "cache_hits": spec.cache_hits,
+        "fallbacks": dict(spec.fallbacks),
+    }}
+
+
 def completion_logprobs(entries: list[LogprobEntry], offset: int) -> dict[str, Any]:
     """Legacy completions logprobs; ``offset`` is the text offset of the first entry."""
     tokens, token_logprobs, top, offsets = [], [], [], []

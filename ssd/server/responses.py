@@ -31,6 +31,10 @@ def _merged_stats(finals: list[StreamDelta]) -> SpecStats | None:
     return total
 
 
+def _metrics(finals: list[StreamDelta]) -> dict[str, Any] | None:
+    return protocol.response_metrics(_merged_stats(finals), len(finals))
+
+
 def _usage(finals: list[StreamDelta]) -> dict[str, Any]:
     return protocol.usage_dict(
         sum(d.num_prompt_tokens for d in finals),
@@ -58,6 +62,7 @@ def completion_body(results: list[list[StreamDelta]], parsed: ParsedRequest, res
         "model": model,
         "choices": choices,
         "usage": _usage([deltas[-1] for deltas in results]),
+        "metrics": _metrics([deltas[-1] for deltas in results]),
     }
 
 
@@ -81,6 +86,7 @@ def chat_body(results: list[list[StreamDelta]], parsed: ParsedRequest, response_
         "model": model,
         "choices": choices,
         "usage": _usage([deltas[-1] for deltas in results]),
+        "metrics": _metrics([deltas[-1] for deltas in results]),
     }
 
 
@@ -156,7 +162,7 @@ async def completion_events(streams: list[RequestStream], parsed: ParsedRequest,
         else:
             if parsed.include_usage:
                 yield _event({"id": response_id, "object": "text_completion", "created": created, "model": model,
-                              "choices": [], "usage": _usage(finals)})
+                              "choices": [], "usage": _usage(finals), "metrics": _metrics(finals)})
     except EngineDeadError as exc:
         yield _stream_error(None, exc)
     yield _event("[DONE]")
@@ -190,7 +196,7 @@ async def chat_events(streams: list[RequestStream], parsed: ParsedRequest, respo
                 yield chunk(index, {}, delta.finish_reason)
         else:
             if parsed.include_usage and finals:
-                yield _event(dict(base, choices=[], usage=_usage(finals)))
+                yield _event(dict(base, choices=[], usage=_usage(finals), metrics=_metrics(finals)))
     except EngineDeadError as exc:
         yield _stream_error(None, exc)
     yield _event("[DONE]")
