@@ -364,6 +364,19 @@ def test_n_choices_with_independent_seeds(ar_server, target):
     assert texts[0] == chat and texts[1] != texts[0]
 
 
+def test_best_of_returns_the_candidates_with_the_highest_cumulative_logprob(ar_server, target):
+    with LLM(str(target), **ENGINE_OPTIONS) as llm:
+        candidates = [llm.generate([PROMPTS[1]], SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seed=7 + j,
+                                                                logprobs=0))[0] for j in range(4)]
+    score = [sum(e.logprob for e in c.logprobs) for c in candidates]
+    order = sorted(range(4), key=lambda j: -score[j])
+    r = client(ar_server.url).completions.create(model=MODEL_NAME, prompt=PROMPTS[1], n=2, best_of=4,
+                                                 max_tokens=MAX_TOKENS, temperature=1.0, seed=7)
+    assert [ch.text for ch in r.choices] == [candidates[j].text for j in sorted(order[:2])]
+    assert all(ch.logprobs is None for ch in r.choices)  # ranked by logprobs the request did not ask for
+    assert r.usage.completion_tokens == 4 * MAX_TOKENS  # every candidate counts
+
+
 def test_stop_string_and_seed(ar_server, reference):
     c = client(ar_server.url)
     text = reference.completions[3]
@@ -402,6 +415,9 @@ BAD_REQUESTS = [
     ("completions", b'{"prompt": "hi", "stop": [""]}', 400, "stop"),
     ("completions", b'{"prompt": "hi", "n": 17}', 400, "n"),
     ("completions", b'{"prompt": "hi", "n": 0}', 400, "n"),
+    ("completions", b'{"prompt": "hi", "n": 3, "best_of": 2}', 400, "best_of"),
+    ("completions", b'{"prompt": "hi", "best_of": 17}', 400, "best_of"),
+    ("completions", b'{"prompt": "hi", "best_of": 2, "stream": true}', 400, "best_of"),
     ("completions", b'{"prompt": "hi", "presence_penalty": 3}', 400, "presence_penalty"),
     ("completions", b'{"prompt": "hi", "frequency_penalty": -2.5}', 400, "frequency_penalty"),
     ("completions", b'{"prompt": "hi", "repetition_penalty": 0}', 400, "repetition_penalty"),

@@ -180,12 +180,13 @@ def _stop_list(value: Any) -> list[str] | None:
     return value
 
 
-def _choices(req: _Common, max_tokens: int, logprobs: int | None, max_tokens_param: str) -> list[SamplingParams]:
-    """One prompt's ``n`` choices: the request's options, the seed (if any) advanced by one per choice so the
-    choices are independent and each reproducible."""
+def _choices(req: _Common, max_tokens: int, logprobs: int | None, max_tokens_param: str,
+             count: int | None = None) -> list[SamplingParams]:
+    """One prompt's ``count`` (default ``n``) choices: the request's options, the seed (if any) advanced by one per
+    choice so the choices are independent and each reproducible."""
     params = _sampling(req, max_tokens, logprobs, max_tokens_param)
     out = [params]
-    for i in range(1, req.n or 1):
+    for i in range(1, count or req.n or 1):
         choice = params.clone()
         if params.seed is not None:
             choice.seed = (params.seed + i) % 2**64
@@ -235,22 +236,31 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     logprobs: bool
+    best_of: int = 1  # candidates per prompt (params holds them all); the n = len(params) / prompts / best_of
+    n: int = 1  # ... with the highest cumulative logprob are returned
 
 
 def parse_completion(body: Any) -> ParsedRequest:
     req: CompletionRequest = _validate(CompletionRequest, body)
     _check_common(req)
-    _unsupported("best_of", req.best_of, (1,), "only best_of=1")
     _unsupported("echo", req.echo, (False,), "echo=false only")
     _unsupported("suffix", req.suffix, ("",), "no suffix")
+    n = req.n or 1
+    best_of = n if req.best_of is None else req.best_of
+    if not n <= best_of <= MAX_CHOICES:
+        raise invalid(f"'best_of' must be an integer in [n = {n}, {MAX_CHOICES}], got {best_of}", "best_of")
+    if best_of > n and req.stream:
+        raise invalid("'best_of' greater than 'n' cannot be streamed (the best are known at the end)", "best_of")
     prompts = _prompts(req.prompt)
     explicit = req.max_tokens is not None
     max_tokens = req.max_tokens if explicit else COMPLETION_DEFAULT_MAX_TOKENS
-    params = [choice for _ in prompts for choice in _choices(req, max_tokens, req.logprobs, "max_tokens")]
-    prompts = [prompt for prompt in prompts for _ in range(req.n or 1)]  # choice i*n + j: prompt i's j-th
+    # candidates are ranked by their tokens' logprobs: ask for them (they are dropped unless the request wants them)
+    logprobs = req.logprobs if best_of == n or req.logprobs is not None else 0
+    params = [choice for _ in prompts for choice in _choices(req, max_tokens, logprobs, "max_tokens", best_of)]
+    prompts = [prompt for prompt in prompts for _ in range(best_of)]  # choice i*n + j: prompt i's j-th
     return ParsedRequest(
         req.model, prompts, None, params, explicit, "max_tokens", bool(req.stream), _include_usage(req),
-        req.logprobs is not None,
+        req.logprobs is not None, best_of, n,
     )
 
 

@@ -46,10 +46,25 @@ def _usage(finals: list[StreamDelta]) -> dict[str, Any]:
     )
 
 
+def best_choices(results: list[list[StreamDelta]], parsed: ParsedRequest) -> list[list[StreamDelta]]:
+    """Of each prompt's ``best_of`` candidates, the ``n`` with the highest cumulative logprob (by that, then in
+    candidate order)."""
+    if parsed.best_of == parsed.n:
+        return results
+    kept = []
+    for start in range(0, len(results), parsed.best_of):
+        candidates = results[start : start + parsed.best_of]
+        score = [sum(e.logprob for d in deltas for e in (d.logprobs or [])) for deltas in candidates]
+        best = sorted(range(len(candidates)), key=lambda i: -score[i])[: parsed.n]
+        kept.extend(candidates[i] for i in sorted(best))
+    return kept
+
+
 def completion_body(results: list[list[StreamDelta]], parsed: ParsedRequest, response_id: str,
                      model: str) -> dict[str, Any]:
+    """``results`` holds every candidate (all of them count in usage); the choices are the best (``best_of``)."""
     choices = []
-    for index, deltas in enumerate(results):
+    for index, deltas in enumerate(best_choices(results, parsed)):
         text = "".join(d.text for d in deltas)
         logprobs = None
         if parsed.logprobs:
