@@ -10,7 +10,6 @@ p - 1. Items here are in row positions: an item starting at p runs rows p, p + 1
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,7 +24,7 @@ from ssd.models.weight_formats import pack_weights
 from ssd.options import PACKED_WEIGHT_FORMATS, WeightFormat
 from ssd.runtime.forward_items import ForwardItem, flatten_items
 from ssd.sampling_params import SamplingParams
-from ssd.speculative.drafting import DraftDistribution
+from ssd.speculative.drafting import DraftDistribution, ProbsHook
 from ssd.speculative.lookup import PromptLookup, copied_token
 
 if TYPE_CHECKING:
@@ -33,6 +32,7 @@ if TYPE_CHECKING:
 
 
 def check_head_options(spec: SpeculativeConfig) -> None:
+    """Refuse options that do not apply to a head."""
     if spec.draft_weight_format == WeightFormat.GGUF:
         raise ValueError("an EAGLE-3 head has no GGUF blocks; draft_weight_format 'gguf' does not apply")
 
@@ -99,9 +99,6 @@ class HeadDrafts:
     tokens: torch.Tensor  # [B, W] int64
     probs: torch.Tensor  # [B, W, V] float32
     copied: torch.Tensor  # [B, W] bool
-
-
-ProbsHook = Callable[[int, list[int], torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def draft_with_head(
