@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ssd.outputs import SpecStats
-from ssd.server import protocol
+from ssd.server import response_fields
 from ssd.server.async_engine import RequestStream
 from ssd.server.messages import EngineDeadError, StreamDelta
 from ssd.server.protocol import ApiError, ParsedRequest
@@ -32,11 +32,11 @@ def _merged_stats(finals: list[StreamDelta]) -> SpecStats | None:
 
 
 def _metrics(finals: list[StreamDelta]) -> dict[str, Any] | None:
-    return protocol.response_metrics(_merged_stats(finals), len(finals))
+    return response_fields.response_metrics(_merged_stats(finals), len(finals))
 
 
 def _usage(finals: list[StreamDelta]) -> dict[str, Any]:
-    return protocol.usage_dict(
+    return response_fields.usage_dict(
         sum(d.num_prompt_tokens for d in finals),
         sum(d.num_output_tokens for d in finals),
         sum(d.num_cached_prompt_tokens for d in finals),
@@ -68,7 +68,7 @@ def completion_body(results: list[list[StreamDelta]], parsed: ParsedRequest, res
         text = "".join(d.text for d in deltas)
         logprobs = None
         if parsed.logprobs:
-            logprobs = protocol.completion_logprobs([e for d in deltas for e in (d.logprobs or [])], 0)
+            logprobs = response_fields.completion_logprobs([e for d in deltas for e in (d.logprobs or [])], 0)
         choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": deltas[-1].finish_reason})
     return {
         "id": response_id,
@@ -87,7 +87,7 @@ def chat_body(results: list[list[StreamDelta]], parsed: ParsedRequest, response_
     for index, deltas in enumerate(results):
         logprobs = None
         if parsed.logprobs:
-            logprobs = protocol.chat_logprobs([e for d in deltas for e in (d.logprobs or [])])
+            logprobs = response_fields.chat_logprobs([e for d in deltas for e in (d.logprobs or [])])
         choices.append({
             "index": index,
             "message": {"role": "assistant", "content": "".join(d.text for d in deltas)},
@@ -159,7 +159,7 @@ async def completion_events(streams: list[RequestStream], parsed: ParsedRequest,
                 continue
             logprobs = None
             if parsed.logprobs:
-                logprobs = protocol.completion_logprobs(delta.logprobs or [], offsets[index])
+                logprobs = response_fields.completion_logprobs(delta.logprobs or [], offsets[index])
             offsets[index] += len(delta.text)
             chunk: dict[str, Any] = {
                 "id": response_id,
@@ -203,7 +203,7 @@ async def chat_events(streams: list[RequestStream], parsed: ParsedRequest, respo
             if delta.error is not None:
                 yield _stream_error(delta)
                 break
-            logprobs = protocol.chat_logprobs(delta.logprobs or []) if parsed.logprobs else None
+            logprobs = response_fields.chat_logprobs(delta.logprobs or []) if parsed.logprobs else None
             if delta.text or delta.logprobs:
                 yield chunk(index, {"content": delta.text}, None, logprobs)
             if delta.finished:
