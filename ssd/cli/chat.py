@@ -151,6 +151,10 @@ class RemoteBackend:
         }
         if p.top_k:
             body["top_k"] = p.top_k
+        for name, off in (("min_p", 0.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                          ("repetition_penalty", 1.0)):
+            if getattr(p, name) != off:
+                body[name] = getattr(p, name)
         if p.seed is not None:
             body["seed"] = p.seed
         if p.ignore_eos:

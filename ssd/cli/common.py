@@ -22,6 +22,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--sampling-seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
 
@@ -69,6 +73,10 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
+        min_p=args.min_p,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
         seed=args.sampling_seed,
         ignore_eos=args.ignore_eos,
     )
