@@ -148,8 +148,9 @@ def speculative_config(mode: str, args: argparse.Namespace, draft: str) -> dict[
     if mode == "eagle3":  # SD with an EAGLE-3 head instead of a draft model, a fixed K like sd
         return {"method": "eagle3", "model": args.eagle3_head, "num_speculative_tokens": args.k,
                 "prompt_lookup": getattr(args, "prompt_lookup", True), "adaptive_lookahead": False}
-    ssd_options = {"fan_out": args.fan_out, "saguaro_c": getattr(args, "saguaro_c", 1.0),
-                   "filler_padding": args.filler_padding}
+    if mode.startswith("ssd"):
+        ssd_options = {"fan_out": args.fan_out, "saguaro_c": getattr(args, "saguaro_c", 1.0),
+                       "filler_padding": args.filler_padding}
     if mode == "ssd-eagle3":  # SSD with the EAGLE-3 head as its draft, the engine's default (auto) fallback
         return {"method": "ssd", "model": args.eagle3_head, "num_speculative_tokens": args.k,
                 "prompt_lookup": getattr(args, "prompt_lookup", True), "fallback": "auto", "adaptive_lookahead": False,

@@ -178,6 +178,19 @@ def test_ngram_mode_is_prompt_lookup_without_a_draft() -> None:
     assert "ngram" in suite.ALL_MODES
 
 
+def test_head_modes_run_the_eagle3_head_in_sd_and_in_ssd() -> None:
+    import argparse
+
+    from bench_spec import speculative_config
+
+    args = argparse.Namespace(k=4, draft_weight_format="auto", eagle3_head="H", fan_out="dynamic",
+                              filler_padding="auto")
+    assert speculative_config("eagle3", args, "d")["method"] == "eagle3"
+    ssd_head = speculative_config("ssd-eagle3", args, "d")
+    assert (ssd_head["method"], ssd_head["model"], ssd_head["fallback"]) == ("ssd", "H", "auto")
+    assert speculative_config("ssd-auto", args, "d")["model"] == "d"
+
+
 # ----------------------------------------------------------------------------------------------- exactness
 def test_exactness_report_compares_with_ar_of_the_same_shape() -> None:
     ar = [[1, 2, 3, 4], [5, 6, 7, 8]]
