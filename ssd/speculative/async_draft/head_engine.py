@@ -22,11 +22,12 @@ exist only once the target has computed it) and no prefix caching (a row's K/V d
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
 from ssd.core.kv_cache_manager import KVCacheManager
-from ssd.options import Fallback, LookupConfig
+from ssd.options import Fallback
 from ssd.runtime.forward_items import ForwardItem
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.async_draft.draft_engine import DraftEngine
@@ -39,7 +40,6 @@ from ssd.speculative.async_draft.draft_state import (
     SpeculationResult,
 )
 from ssd.speculative.async_draft.planning.fanout import FanOutPlan
-from ssd.speculative.drafting import DraftDistribution
 from ssd.speculative.head_runner import HeadRunner, draft_with_head
 from ssd.speculative.target_features import TargetFeatureLog
 
@@ -47,21 +47,11 @@ from ssd.speculative.target_features import TargetFeatureLog
 class HeadDraftEngine(DraftEngine):
     runner: HeadRunner
 
-    def __init__(
-        self,
-        runner: HeadRunner,
-        kv_manager: KVCacheManager,
-        distribution: DraftDistribution,
-        num_speculative_tokens: int,
-        saguaro_c: float = 1.0,
-        seed: int = 0,
-        lookup: LookupConfig | None = None,
-        pad_filler: bool = False,
-    ) -> None:
+    def __init__(self, runner: HeadRunner, kv_manager: KVCacheManager, *args: Any, **kwargs: Any) -> None:
+        """As :class:`DraftEngine`'s, with a head's runner and a KV cache without prefix caching."""
         if kv_manager.pool.enable_prefix_caching:
             raise ValueError("an EAGLE-3 head's KV cache cannot be prefix-cached: a row's K/V depends on its feature")
-        super().__init__(runner, kv_manager, distribution, num_speculative_tokens, saguaro_c, seed, lookup,  # type: ignore[arg-type]
-                         pad_filler)
+        super().__init__(runner, kv_manager, *args, **kwargs)  # type: ignore[arg-type]
         self.features = TargetFeatureLog()  # fused [m, H], of rows the head has not run yet
         self.glue_outputs: dict[int, torch.Tensor] = {}  # seq_id -> the glue's outputs [L+1, H] during a build
         self.rows_without_features = 0  # rows run on zeros: positions the target's prefix cache served
