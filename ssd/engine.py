@@ -31,6 +31,7 @@ from ssd.speculative.factory import build_proposer
 from ssd.speculative.round_plan import RoundPlanner
 from ssd.speculative.proposal import TargetFacts, VerifiedRound
 from ssd.step import RowContext, StepExecutor, StepResult
+from ssd.structured.grammar import GrammarCompiler
 from ssd.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,8 @@ class LLMEngine:
         self.requests: dict[int, Request] = {}
         self.stats = SpecStats()
         self._seq_ids = itertools.count()
+        self.grammars = GrammarCompiler(self.tokenizer.hf_tokenizer, self.runner.vocab_size,
+                                        self.tokenizer.eos_token_id)
 
     def _target_facts(self) -> TargetFacts:
         return TargetFacts(
@@ -122,6 +125,8 @@ class LLMEngine:
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         check_token_ids(params, self.runner.vocab_size)
         text, token_ids = prompt if isinstance(prompt, EncodedPrompt) else self.encode_prompt(prompt)
+        constraint = params.structured_outputs
+        grammar = self.grammars.compile(constraint) if constraint is not None else None
         seq_id = next(self._seq_ids)
         now = time.monotonic()
         seq = Sequence(seq_id, token_ids, params, arrival_time=now)
@@ -142,6 +147,7 @@ class LLMEngine:
             stop_token_ids=stop_ids,
             logprobs=[] if params.logprobs is not None else None,
             speculation=self.spec.method.value if self.spec is not None else "off",
+            grammar=grammar,
         )
         self.requests[seq_id] = request
         self.scheduler.add(seq)
@@ -213,6 +219,7 @@ class LLMEngine:
                 generator=request.generator,
                 banned_token_ids=self._banned_tokens(request),
                 speculate=self._speculates(request),
+                grammar=request.grammar,
             )
         started = time.perf_counter()
         result = self.executor.execute(plan.scheduled, contexts)
@@ -269,6 +276,8 @@ class LLMEngine:
                 if request.logprobs is not None and logprobs is not None:
                     request.logprobs.append(logprobs[i])
                 reason = self._check_stop(request, token)
+                if reason is None and request.grammar is not None and request.grammar.advance(token):
+                    reason = FinishReason.STOP  # the grammar is complete
                 if reason is None and i + 1 < len(new_tokens) and request.detokenizer.finds_stop(seq.output_token_ids):
                     reason = FinishReason.STOP  # a stop string ends mid-round: drop the rest, as plain decoding would
                 if reason is not None:

@@ -10,6 +10,7 @@ import torch
 from ssd.core.sequence import Sequence
 from ssd.outputs import RequestMetrics, SpecStats, TokenLogprob
 from ssd.sampling_params import SamplingParams
+from ssd.structured.grammar import Grammar
 from ssd.tokenizer import IncrementalDetokenizer
 
 
@@ -34,3 +35,4 @@ class Request:
     num_reported_tokens: int = 0
     last_accepted: int = -1  # k of this request's previous verification round (SSD cache key)
     num_reported_chars: int = 0
+    grammar: Grammar | None = None  # structured outputs: the grammar state after the emitted tokens

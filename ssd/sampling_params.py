@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from ssd.structured.spec import StructuredOutputs
+
 MAX_LOGPROBS = 20  # the most top-n logprobs a request may ask for (OpenAI's limit)
 _MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts seeds up to this value
 
@@ -41,6 +43,11 @@ class SamplingParams:
     a token already in the prompt or the output has a positive logit divided by it, a negative one multiplied),
     frequency_penalty and presence_penalty (in [-2, 2], 0 = off: subtract the penalty times the token's count in
     the output, and once for any token in the output), in that order.
+
+    structured_outputs (a :class:`StructuredOutputs` or its fields as a dict) constrains the output to a JSON
+    schema, any JSON object, a regex, a grammar or a choice: every position's logits are masked to the tokens the
+    grammar allows after the tokens before it (penalties first, then the mask), and the request ends as soon as
+    the grammar is complete and allows nothing more (a grammar that allows only EOS also overrides min_tokens).
     """
 
     temperature: float = 1.0
@@ -60,8 +67,11 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputs.from_value(self.structured_outputs)
         self._validate_numbers()
         self._validate_lengths()
         self._normalise_stops()

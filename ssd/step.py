@@ -23,6 +23,8 @@ from ssd.sample.penalties import PenaltyRow, apply_penalties
 from ssd.sample.rejection import verify
 from ssd.sample.sampler import SamplingTensors, compute_logprobs, processed_probs, sample
 from ssd.speculative.proposal import Proposal, ProposalRequest, Proposer, VerifiedRound
+from ssd.structured.bitmask import apply_bitmasks
+from ssd.structured.grammar import Grammar
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,7 @@ class RowContext:
     generator: torch.Generator | None
     banned_token_ids: list[int] = field(default_factory=list)  # e.g. EOS while below min_tokens
     speculate: bool = False
+    grammar: Grammar | None = None  # structured outputs: the state after the sequence's emitted tokens
 
 
 @dataclass
@@ -66,7 +69,9 @@ class StepExecutor:
         if spec_rows and self.proposer is not None:
             start = time.perf_counter()
             requests = [
-                ProposalRequest(s.seq, s.num_lookahead_tokens, contexts[s.seq.seq_id].generator) for s in spec_rows
+                ProposalRequest(s.seq, s.num_lookahead_tokens, contexts[s.seq.seq_id].generator,
+                                contexts[s.seq.seq_id].grammar)
+                for s in spec_rows
             ]
             proposal = self.proposer.propose(requests)
             result.propose_time_s = time.perf_counter() - start
@@ -104,6 +109,8 @@ class StepExecutor:
         spec_seqs: list[tuple[Sequence, int, int]] = []  # (seq, first logits row, proposal row)
         row_params = []  # sampling params of every logits row
         penalised: list[PenaltyRow] = []  # rows whose logits depend on the tokens before them
+        masked_rows: list[int] = []  # rows a grammar constrains, and their bitmasks
+        masks: list[torch.Tensor] = []
         for s, item in zip(scheduled, items):
             seq = s.seq
             result.num_computed[seq.seq_id] = seq.num_computed_tokens + s.num_new_tokens
@@ -116,14 +123,20 @@ class StepExecutor:
                 spec_seqs.append((seq, offset, row))
             params = seq.sampling_params
             row_params.extend([params] * item.num_logits)
+            before = item.token_ids[len(item.token_ids) - item.num_logits + 1 :]  # the round's drafts
             if params.has_penalties:  # position j of a round counts the drafts before it as generated
-                before = item.token_ids[len(item.token_ids) - item.num_logits + 1 :]  # the round's drafts
                 output = seq.output_token_ids
                 penalised.extend(PenaltyRow(offset + j, params, seq.prompt_token_ids, output + before[:j])
                                  for j in range(item.num_logits))
+            grammar = contexts[seq.seq_id].grammar
+            if grammar is not None:  # position j's mask is the grammar's state after the drafts before it
+                masked_rows.extend(range(offset, offset + item.num_logits))
+                masks.append(grammar.masks_along(before))
             offset += item.num_logits
 
         apply_penalties(logits, penalised)
+        if masked_rows:
+            apply_bitmasks(logits, masked_rows, torch.cat(masks))
         _ban_tokens(logits, [(r, contexts[seq.seq_id].banned_token_ids) for seq, r in sample_rows])
         probs = processed_probs(logits, SamplingTensors.from_params(row_params, logits.device))  # [N, V]
 
@@ -193,9 +206,13 @@ def _completes(s: ScheduledSequence) -> bool:
 
 
 def _ban_tokens(logits: torch.Tensor, bans: list[tuple[int, list[int]]]) -> None:
+    """Ban tokens (EOS below min_tokens) unless that leaves a row nothing: a grammar allowing only EOS wins."""
     for row, token_ids in bans:
         if token_ids:
+            kept = logits[row, token_ids].clone()
             logits[row, token_ids] = float("-inf")
+            if torch.isneginf(logits[row]).all():
+                logits[row, token_ids] = kept
 
 
 def _index(rows: list[int], tensor: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,11 @@ class Tokenizer:
     def __len__(self) -> int:
         return len(self._tok)
 
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The underlying Hugging Face tokenizer (grammar libraries read its vocabulary)."""
+        return self._tok
+
     def get_vocab(self) -> dict[str, int]:
         return self._tok.get_vocab()
 

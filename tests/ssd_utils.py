@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import shutil
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from ssd.models.loader import load_model
 from ssd.sample.penalties import PenaltyRow, apply_penalties
 from ssd.sample.sampler import SamplingTensors, processed_probs
 from ssd.sampling_params import SamplingParams
+from ssd.structured.bitmask import apply_bitmasks
 
 WEIGHTS = "model.safetensors"
 
@@ -59,10 +61,13 @@ class ExactJoint:
 
 
 @torch.inference_mode()
-def exact_joint(model_path: Path, prompt: list[int], num_tokens: int, params: SamplingParams) -> ExactJoint:
+def exact_joint(model_path: Path, prompt: list[int], num_tokens: int, params: SamplingParams,
+                constraint: Callable[[tuple[int, ...]], torch.Tensor | None] | None = None) -> ExactJoint:
     """Enumerate the target's processed distribution (penalties, temperature, top-k, top-p, min-p) over
     ``num_tokens`` steps.
 
+    ``constraint(path)``: the ``[1, W]`` bitmask of tokens a grammar allows after ``path``, or None where the
+    grammar is complete (the path ends there, as the engine ends the request).
     Only practical when the support per step is tiny (e.g. top_k=2): the tree has support**num_tokens leaves.
     """
     model, _ = load_model(str(model_path), dtype=torch.float32, device=torch.device("cpu"))
@@ -72,10 +77,16 @@ def exact_joint(model_path: Path, prompt: list[int], num_tokens: int, params: Sa
     for _ in range(num_tokens):
         nxt: dict[tuple[int, ...], float] = {}
         for path, mass in frontier.items():
+            mask = constraint(path) if constraint is not None else None
+            if constraint is not None and mask is None:
+                nxt[path] = mass
+                continue
             tokens = prompt + list(path)
             session = PagedSession(model, num_blocks=(len(tokens) // 4) + 2, block_size=4)
             logits = session.step({0: tokens})[0][-1:]  # [1, V]
             apply_penalties(logits, [PenaltyRow(0, params, prompt, list(path))])
+            if mask is not None:
+                apply_bitmasks(logits, [0], mask)
             probs = processed_probs(logits, st)[0].double()  # [V]
             for token in torch.nonzero(probs > 0).flatten().tolist():
                 nxt[path + (token,)] = mass * float(probs[token])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import selectors
 import shutil
 import socket
@@ -336,6 +337,65 @@ def test_penalties_and_logit_bias_match_the_engine(request, server, target):
     r = client(url).completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
                                        extra_body=extra, **options)
     assert r.choices[0].text == expected
+
+
+STRUCTURED_SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}, "ok": {"type": "boolean"}},
+                     "required": ["colour", "ok"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("server", ["ar_server", "sd_server", "ssd_server"])
+def test_structured_outputs_through_the_official_client(request, server, target):
+    """response_format (json_schema on chat, json_object on completions), guided_regex / guided_choice and
+    structured_outputs (a Lark grammar) through the official client equal the engine's constrained AR, under SD and
+    SSD too; the outputs that finish conform."""
+    url = request.getfixturevalue(server).url
+    c = client(url)
+    greedy = dict(temperature=0.0, max_tokens=24)
+    lark = 'start: "<" WORD ">"\nWORD: /[a-z]{1,5}/'
+    cases = [  # (constraint for the engine, completion call keyword arguments)
+        (dict(json_object=True), dict(extra_body={"response_format": {"type": "json_object"}})),
+        (dict(regex="[0-9]{2}-[a-z]{3}"), dict(extra_body={"guided_regex": "[0-9]{2}-[a-z]{3}"})),
+        (dict(choice=["yes", "no", "maybe"]), dict(extra_body={"guided_choice": ["yes", "no", "maybe"]})),
+        (dict(grammar=lark), dict(extra_body={"structured_outputs": {"grammar": lark}})),
+    ]
+    with LLM(str(target), **ENGINE_OPTIONS) as llm:
+        expected = [llm.generate([PROMPTS[1]], SamplingParams(**greedy, structured_outputs=so))[0] for so, _ in cases]
+        chat = llm.chat([[{"role": "user", "content": PROMPTS[7]}]],
+                        SamplingParams(**greedy, structured_outputs=dict(json=STRUCTURED_SCHEMA)))[0]
+    for (_, kwargs), out in zip(cases, expected):
+        r = c.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], **greedy, **kwargs)
+        assert r.choices[0].text == out.text and r.choices[0].finish_reason == out.finish_reason
+    assert expected[1].finish_reason == "stop" and re.fullmatch("[0-9]{2}-[a-z]{3}", expected[1].text)
+    assert expected[2].text in ("yes", "no", "maybe") and re.fullmatch("<[a-z]{1,5}>", expected[3].text)
+    r = c.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": PROMPTS[7]}], **greedy,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": STRUCTURED_SCHEMA}},
+    )
+    assert r.choices[0].message.content == chat.text
+    if chat.finish_reason == "stop":
+        assert json.loads(chat.text)["colour"] in ("red", "green")
+
+
+STRUCTURED_BAD_REQUESTS = [
+    (b'{"prompt": "hi", "response_format": {"type": "xml"}}', "response_format.type"),
+    (b'{"prompt": "hi", "response_format": {"type": "json_schema"}}', "response_format.json_schema"),
+    (b'{"prompt": "hi", "guided_regex": "[a-"}', "guided_regex"),
+    (b'{"prompt": "hi", "guided_json": {"type": "objekt"}}', "guided_json"),
+    (b'{"prompt": "hi", "structured_outputs": {"grammar": "start: foo"}}', "structured_outputs"),
+    (b'{"prompt": "hi", "structured_outputs": {"regex": "a", "choice": ["b"]}}', "structured_outputs"),
+    (b'{"prompt": "hi", "structured_outputs": {"pattern": "a"}}', "structured_outputs"),
+    (b'{"prompt": "hi", "guided_choice": []}', "guided_choice"),
+    (b'{"prompt": "hi", "guided_regex": "a", "guided_choice": ["b"]}', "guided_choice"),
+    (b'{"prompt": "hi", "response_format": {"type": "json_object"}, "guided_regex": "a"}', "guided_regex"),
+]
+
+
+@pytest.mark.parametrize("body,param", STRUCTURED_BAD_REQUESTS)
+def test_bad_output_constraints_get_openai_errors_naming_the_field(ar_server, body, param):
+    response = httpx.post(f"{ar_server.url}/v1/completions", content=body, headers={"Content-Type": "application/json"})
+    assert_error(response, 400, param)
+    r = client(ar_server.url).completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
+    assert r.choices[0].text is not None  # still serving
 
 
 def test_n_choices_with_independent_seeds(ar_server, target):

@@ -131,7 +131,8 @@ def create_app(
         check_model(parsed.model, accepted_names)
         requests = [
             GenerationRequest(f"cmpl-{uuid.uuid4().hex}-{i}", params, prompt=prompt,
-                              max_tokens_explicit=parsed.max_tokens_explicit)
+                              max_tokens_explicit=parsed.max_tokens_explicit,
+                              structured_param=parsed.structured_param)
             for i, (prompt, params) in enumerate(zip(parsed.prompts or [], parsed.params))
         ]
         streams = await submit(async_engine, requests, metrics)
@@ -149,7 +150,7 @@ def create_app(
         requests = [
             GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}-{i}", params, messages=parsed.messages,
                               max_tokens_explicit=parsed.max_tokens_explicit, prompt_param="messages",
-                              max_tokens_param=parsed.max_tokens_param)
+                              max_tokens_param=parsed.max_tokens_param, structured_param=parsed.structured_param)
             for i, params in enumerate(parsed.params)  # one per choice
         ]
         streams = await submit(async_engine, requests, metrics)

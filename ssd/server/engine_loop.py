@@ -111,7 +111,10 @@ class EngineLoop:
             self._post(stream, Rejection(exc))
             return
         except ValueError as exc:
-            self._post(stream, Rejection(RequestRejectedError(str(exc), _param_of(str(exc), request.prompt_param))))
+            message = str(exc)
+            param = request.structured_param if message.startswith("structured outputs") else None
+            self._post(stream, Rejection(RequestRejectedError(message, param or _param_of(message,
+                                                                                          request.prompt_param))))
             return
         except Exception as exc:  # e.g. a chat template that raises on this conversation: the input's fault
             logger.warning("request %s could not be prepared: %s", request.request_id, exc, exc_info=True)

@@ -42,8 +42,8 @@ class GenerationRequest:
 
     ``params.max_tokens`` is the caller's explicit limit when ``max_tokens_explicit``; otherwise it is a
     default that the engine thread lowers to the room the prompt leaves (the prompt length is only known
-    after tokenizing there). ``prompt_param`` and ``max_tokens_param`` name the request fields the prompt
-    and the limit came from, for errors.
+    after tokenizing there). ``prompt_param``, ``max_tokens_param`` and ``structured_param`` name the request
+    fields the prompt, the limit and the output constraint came from, for errors.
     """
 
     request_id: str
@@ -53,6 +53,7 @@ class GenerationRequest:
     max_tokens_explicit: bool = True
     prompt_param: str = "prompt"
     max_tokens_param: str = "max_tokens"
+    structured_param: str | None = None  # the field an output constraint came from
 
 
 @dataclass

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ssd.sampling_params import SamplingParams
+from ssd.structured.spec import StructuredOutputs
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_CHOICES = 16  # the most choices (n) one request may ask for per prompt
@@ -80,6 +81,13 @@ class _Common(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # structured outputs: OpenAI's response_format, or vLLM's structured_outputs / guided_* extensions
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
 
 
 class CompletionRequest(_Common):
@@ -112,7 +120,6 @@ class ChatCompletionRequest(_Common):
     service_tier: str | None = None
     parallel_tool_calls: bool | None = None
     # accepted only with values that mean "not used"
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     tool_choice: Any = None
     tools: list[Any] | None = None
@@ -179,10 +186,10 @@ def _stop_list(value: Any) -> list[str] | None:
 
 
 def _choices(req: _Common, max_tokens: int, logprobs: int | None, max_tokens_param: str,
-             count: int | None = None) -> list[SamplingParams]:
+             constraint: StructuredOutputs | None, count: int | None = None) -> list[SamplingParams]:
     """One prompt's ``count`` (default ``n``) choices: the request's options, the seed (if any) advanced by one per
     choice so the choices are independent and each reproducible."""
-    params = _sampling(req, max_tokens, logprobs, max_tokens_param)
+    params = _sampling(req, max_tokens, logprobs, max_tokens_param, constraint)
     out = [params]
     for i in range(1, count or req.n or 1):
         choice = params.clone()
@@ -192,7 +199,47 @@ def _choices(req: _Common, max_tokens: int, logprobs: int | None, max_tokens_par
     return out
 
 
-def _sampling(req: _Common, max_tokens: int, logprobs: int | None, max_tokens_param: str) -> SamplingParams:
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar", "guided_choice": "choice"}
+
+
+def structured_outputs(req: _Common) -> tuple[StructuredOutputs | None, str | None]:
+    """The request's output constraint and the field it came from (errors name it): ``response_format``
+    (``json_object``, ``json_schema``; ``text`` means none), ``structured_outputs`` or one ``guided_*`` field."""
+    given: list[tuple[str, dict[str, Any]]] = []
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise invalid("'response_format' of type 'json_schema' needs 'json_schema': {'name': ..., "
+                              "'schema': {...}}", "response_format.json_schema")
+            given.append(("response_format", {"json": spec["schema"]}))
+        elif kind != "text":
+            raise invalid(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                          "response_format.type")
+    if req.structured_outputs is not None:
+        given.append(("structured_outputs", req.structured_outputs))
+    for name, kind in _GUIDED.items():
+        value = getattr(req, name)
+        if value is not None:
+            given.append((name, {kind: value}))
+    if not given:
+        return None, None
+    if len(given) > 1:
+        names = [name for name, _ in given]
+        raise invalid(f"give one output constraint, not several: {', '.join(names)}", names[1])
+    param, value = given[0]
+    try:
+        return StructuredOutputs.from_value(value), param
+    except ValueError as exc:
+        raise invalid(str(exc), param) from None
+
+
+def _sampling(req: _Common, max_tokens: int, logprobs: int | None, max_tokens_param: str,
+              constraint: StructuredOutputs | None) -> SamplingParams:
     options: dict[str, Any] = dict(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -211,6 +258,7 @@ def _sampling(req: _Common, max_tokens: int, logprobs: int | None, max_tokens_pa
         logprobs=logprobs,
         include_stop_str_in_output=bool(req.include_stop_str_in_output),
         skip_special_tokens=True if req.skip_special_tokens is None else req.skip_special_tokens,
+        structured_outputs=constraint,
     )
     try:
         return SamplingParams(**options)
@@ -236,6 +284,7 @@ class ParsedRequest:
     logprobs: bool
     best_of: int = 1  # candidates per prompt (params holds them all); the n = len(params) / prompts / best_of
     n: int = 1  # ... with the highest cumulative logprob are returned
+    structured_param: str | None = None  # the field the output constraint came from (errors compiling it name it)
 
 
 def parse_completion(body: Any) -> ParsedRequest:
@@ -254,11 +303,13 @@ def parse_completion(body: Any) -> ParsedRequest:
     max_tokens = req.max_tokens if explicit else COMPLETION_DEFAULT_MAX_TOKENS
     # candidates are ranked by their tokens' logprobs: ask for them (they are dropped unless the request wants them)
     logprobs = req.logprobs if best_of == n or req.logprobs is not None else 0
-    params = [choice for _ in prompts for choice in _choices(req, max_tokens, logprobs, "max_tokens", best_of)]
+    constraint, constraint_param = structured_outputs(req)
+    params = [choice for _ in prompts
+              for choice in _choices(req, max_tokens, logprobs, "max_tokens", constraint, best_of)]
     prompts = [prompt for prompt in prompts for _ in range(best_of)]  # choice i*n + j: prompt i's j-th
     return ParsedRequest(
         req.model, prompts, None, params, explicit, "max_tokens", bool(req.stream), _include_usage(req),
-        req.logprobs is not None, best_of, n,
+        req.logprobs is not None, best_of, n, constraint_param,
     )
 
 
@@ -287,7 +338,6 @@ def parse_chat(body: Any, max_model_len: int) -> ParsedRequest:
     _unsupported("functions", req.functions, ([],), "no function calling")
     _unsupported("tool_choice", req.tool_choice, ("none",), "no tool calling")
     _unsupported("function_call", req.function_call, ("none",), "no function calling")
-    _unsupported("response_format", req.response_format, ({"type": "text"},), "text only")
     _unsupported("modalities", req.modalities, (["text"],), "text only")
     for name in ("audio", "prediction", "reasoning_effort", "web_search_options", "verbosity", "moderation",
                  "prompt_cache_options", "prompt_cache_retention"):
@@ -301,9 +351,10 @@ def parse_chat(body: Any, max_model_len: int) -> ParsedRequest:
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     explicit = limit is not None
-    params = _choices(req, limit if explicit else max_model_len, logprobs, limit_param)
+    constraint, constraint_param = structured_outputs(req)
+    params = _choices(req, limit if explicit else max_model_len, logprobs, limit_param, constraint)
     return ParsedRequest(req.model, None, messages, params, explicit, limit_param, bool(req.stream),
-                         _include_usage(req), logprobs is not None)
+                         _include_usage(req), logprobs is not None, structured_param=constraint_param)
 
 
 def _message(index: int, message: ChatMessage) -> dict[str, Any]:

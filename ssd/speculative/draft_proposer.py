@@ -65,6 +65,7 @@ class DraftModelProposer:
             self.distribution,
             self.default_generator,
             lookups=[self.lookups[r.seq.seq_id] for r in requests],
+            grammars=[r.grammar for r in requests],
         )
         for r, held in zip(requests, drafts.computed):
             self.computed[r.seq.seq_id] = held

@@ -14,6 +14,10 @@ from ssd.runtime.model_runner import ModelRunner
 from ssd.sample.sampler import SamplingTensors, draw_uniforms, processed_probs, sample
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.lookup import PromptLookup, copied_token
+from ssd.structured.bitmask import apply_bitmasks
+from ssd.structured.grammar import Grammar
+
+Allowed = tuple[list[int], torch.Tensor]  # rows a grammar constrains, and their [n, W] bitmasks
 
 
 class DraftDistribution:
@@ -111,23 +115,51 @@ class DraftDistribution:
         default_generator: torch.Generator | None,
         adjust: Adjust | None = None,
         forced: list[int | None] | None = None,
+        allowed: Allowed | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft token per row of draft ``logits [N, Vd]``: ``(tokens [N], probs [N, V] or None)``.
 
         ``probs`` are exactly the distributions sampled from (after ``adjust``). When every row is greedy
         they are one-hot and not built (None): the cheap path that most draft steps of a greedy batch take.
         A row with a ``forced`` token (prompt lookup) proposes it with a one-hot q instead; the choice must not
-        depend on this draw. Generators advance as in :func:`ssd.sample.sampler.sample` in every case.
+        depend on this draw. ``allowed`` rows (structured outputs) draw among their grammar's allowed tokens only,
+        unless the draft can propose none of them. Generators advance as in :func:`ssd.sample.sampler.sample` in
+        every case.
         """
         st = SamplingTensors.from_params(params, logits.device)
+        constrained = None if allowed is None else self._constrained_logits(logits, allowed)  # [N, V]
         if st.all_greedy:
             draw_uniforms(generators, [1] * len(params), 1, logits.device, default_generator)
-            return _force(self.greedy_tokens(logits), None, forced), None
-        probs = processed_probs(self.masked_logits(logits), st)  # [N, V]
+            greedy = self.greedy_tokens(logits) if constrained is None else constrained.argmax(dim=-1)
+            return _force(greedy, None, forced), None
+        probs = processed_probs(self.masked_logits(logits) if constrained is None else constrained, st)  # [N, V]
         if adjust is not None:
             probs = adjust(logits, probs)
         tokens = sample(probs, generators, st.greedy, default_generator)  # [N]
         return _force(tokens, probs, forced), probs
+
+    def _constrained_logits(self, logits: torch.Tensor, allowed: Allowed) -> torch.Tensor:
+        """``masked_logits`` with each grammar row restricted to its allowed tokens (rows left with none keep
+        the draft's own support: their draft is then rejected, and q stays a distribution)."""
+        full = self.masked_logits(logits)  # [N, V]
+        out = full.clone()
+        rows, masks = allowed
+        apply_bitmasks(out, rows, masks)
+        index = torch.tensor(rows, dtype=torch.long, device=out.device)
+        empty = index[torch.isneginf(out[index]).all(dim=-1)]
+        out[empty] = full[empty]
+        return out
+
+
+def grammar_masks(grammars: list[Grammar | None] | None, rows: list[int], drafted: list[list[int]]) -> Allowed | None:
+    """For a draft step over ``rows``: the positions (in ``rows``) a grammar constrains and their masks after the
+    drafts so far; None when no row has a grammar."""
+    if grammars is None:
+        return None
+    positions = [p for p, i in enumerate(rows) if grammars[i] is not None]
+    if not positions:
+        return None
+    return positions, torch.stack([grammars[rows[p]].mask_after(drafted[rows[p]]) for p in positions])
 
 
 def _force(tokens: torch.Tensor, probs: torch.Tensor | None, forced: list[int | None] | None) -> torch.Tensor:
@@ -168,6 +200,7 @@ def draft_sequentially(
     default_generator: torch.Generator | None,
     adjust: ProbsHook | None = None,
     lookups: list[PromptLookup | None] | None = None,
+    grammars: list[Grammar | None] | None = None,
 ) -> Drafts:
     """Catch each mirror up to its pending token, then draft ``num_drafts[i]`` tokens one step at a time.
 
@@ -178,7 +211,8 @@ def draft_sequentially(
     tokens. On return the draft cache holds K/V for each mirror's first ``Drafts.computed[i]`` tokens (its own,
     then d_1..d_{K-1} at most) and ``num_computed_tokens`` counts those of the mirror's own tokens.
     ``adjust(step, rows, logits, probs)`` may reshape the distribution a draft is drawn from (Saguaro scaling);
-    the returned probabilities are exactly the ones sampled from.
+    ``grammars[i]`` (structured outputs) restricts row i's drafts to what its grammar allows after the drafts
+    before them. The returned probabilities are exactly the ones sampled from.
     """
     device = runner.device
     max_drafts = max(num_drafts)
@@ -205,7 +239,7 @@ def draft_sequentially(
             hook = None if adjust is None else lambda lg, pr: adjust(step, run, lg, pr)
             tokens, probs = distribution.draw(
                 logits, [mirrors[i].sampling_params for i in run], [generators[i] for i in run], default_generator,
-                hook,
+                hook, allowed=grammar_masks(grammars, run, drafted),
             )
             rows_t = torch.tensor(run, device=device)
             tokens_out[rows_t, step] = tokens  # tokens: [R]

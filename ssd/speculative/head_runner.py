@@ -24,8 +24,9 @@ from ssd.models.weight_formats import pack_weights
 from ssd.options import PACKED_WEIGHT_FORMATS, WeightFormat
 from ssd.runtime.forward_items import ForwardItem, flatten_items
 from ssd.sampling_params import SamplingParams
-from ssd.speculative.drafting import DraftDistribution, ProbsHook
+from ssd.speculative.drafting import DraftDistribution, ProbsHook, grammar_masks
 from ssd.speculative.lookup import PromptLookup, copied_token
+from ssd.structured.grammar import Grammar
 
 if TYPE_CHECKING:
     from ssd.config import SpeculativeConfig
@@ -112,13 +113,15 @@ def draft_with_head(
     default_generator: torch.Generator | None,
     lookups: list[PromptLookup | None],
     adjust: ProbsHook | None = None,
+    grammars: list[Grammar | None] | None = None,
 ) -> HeadDrafts:
     """Run each row's ``catch_up`` item (rows through its pending token, one logit row) on ``features [T, H]``, then
     draft ``num_drafts[i]`` tokens a row at a time, each row reading the previous row's output as its feature.
 
     A position where prompt lookup copies a token takes it with a one-hot q instead of the head's draw; the head
     still runs that row (its output is the next row's feature). ``adjust(step, rows, logits, probs)`` may reshape a
-    distribution before the draw (Saguaro); the returned q are exactly the distributions drawn from. The rows after
+    distribution before the draw (Saguaro), ``grammars[i]`` restricts row i's drafts to its grammar's allowed
+    tokens; the returned q are exactly the distributions drawn from. The rows after
     the pending ones are written at the catch-up items' next positions of their block tables, which must have
     slots for ``num_drafts[i] - 1`` of them.
     """
@@ -142,7 +145,7 @@ def draft_with_head(
         hook = None if adjust is None else (lambda lg, pr, rows=active, s=step: adjust(s, rows, lg, pr))
         tokens, probs = distribution.draw(
             runner.logits(current[active]), [params[i] for i in active], [generators[i] for i in active],
-            default_generator, hook, forced,
+            default_generator, hook, forced, grammar_masks(grammars, active, drafted),
         )
         rows = torch.tensor(active, device=device)
         tokens_out[rows, step] = tokens

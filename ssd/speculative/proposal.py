@@ -11,6 +11,7 @@ import torch
 
 from ssd.core.sequence import Sequence
 from ssd.options import Fallback
+from ssd.structured.grammar import Grammar
 
 
 @dataclass
@@ -20,6 +21,7 @@ class ProposalRequest:
     seq: Sequence
     num_drafts: int
     generator: torch.Generator | None
+    grammar: Grammar | None = None  # structured outputs: drafts are drawn from the grammar's allowed tokens
 
 
 @dataclass
