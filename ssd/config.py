@@ -185,7 +185,8 @@ class EngineConfig:
 
     model: str = option(help="target checkpoint folder (command line default: the fetched SmolLM2-135M)",
                         processes=(RANK, DRAFT))  # an SSD draft worker's EAGLE-3 head reads its embedding
-    tokenizer: str | None = option(None, "tokenizer folder (default: the model's)")
+    tokenizer: str | None = option(None, "tokenizer folder (default: the model's)",
+                                   processes=(DRAFT,))  # an SSD worker compiles output constraints against it
     dtype: Dtype = option(Dtype.AUTO, "auto: float32 with packed float16 weights on CPUs with FBGEMM (else "
                                       "bfloat16 where the CPU computes it natively, else float32); bfloat16 on "
                                       "CUDA GPUs that support it, else float16 (ssd/dtypes.py)", processes=(RANK,))

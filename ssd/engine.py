@@ -88,8 +88,7 @@ class LLMEngine:
         self.requests: dict[int, Request] = {}
         self.stats = SpecStats()
         self._seq_ids = itertools.count()
-        self.grammars = GrammarCompiler(self.tokenizer.hf_tokenizer, self.runner.vocab_size,
-                                        self.tokenizer.eos_token_id)
+        self.grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.runner.vocab_size)  # structured outputs
 
     def _target_facts(self) -> TargetFacts:
         return TargetFacts(

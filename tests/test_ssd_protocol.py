@@ -29,6 +29,7 @@ from ssd.speculative.async_draft.wire.protocol import (
     scatter_prob_rows,
     send_message,
 )
+from ssd.structured.spec import StructuredOutputs
 
 
 def _prefill() -> PrefillMsg:
@@ -41,6 +42,8 @@ def _prefill() -> PrefillMsg:
         greedy=[True, False, False],
         seeds=[None, 2**64 - 1, 0],
         first_round_drafts=[0, 4, 2],
+        num_prompt_tokens=[2, 0, 1],
+        constraints=[StructuredOutputs(regex="[0-9]+").to_json(), None, StructuredOutputs(choice=["é", "b"]).to_json()],
     )
 
 
@@ -92,6 +95,10 @@ def test_prefill_round_trip_ragged_and_seeds():
     assert out.temperature.dtype == np.float32 and out.top_k.dtype == np.int32
     assert out.greedy.tolist() == [True, False, False]
     assert PrefillMsg.unpack(msg.pack()).lengths.tolist() == [3, 0, 2]
+    assert out.num_prompt_tokens.tolist() == [2, 0, 1]
+    texts = out.constraint_texts()
+    assert texts[1] is None and StructuredOutputs.from_json(texts[0]) == StructuredOutputs(regex="[0-9]+")
+    assert StructuredOutputs.from_json(texts[2]) == StructuredOutputs(choice=("é", "b"))  # UTF-8 intact
 
 
 def test_speculate_round_trip():
@@ -376,8 +383,10 @@ _NO_PROBS = np.zeros((0, 2, 4), dtype=np.float32)
         (lambda: SpeculateMsg.from_lists(0, [1], [[1]], [0], [3], [2]), "tree_depth must be >= num_drafts"),
         (lambda: SpeculateMsg(0, [1], [1], [1], [0], np.array([2**40]), [1]), "outside the int32 range"),
         (lambda: SpeculateMsg(True, [1], [1], [1], [0], [1], [1]), "round_id must be an integer"),
-        (lambda: PrefillMsg(*([[1]] * 2), [-1], *([[0]] * 7)), "lengths must be >= 0"),
-        (lambda: PrefillMsg(*([[1]] * 2), [1], *([[0]] * 6), [-1]), "first_round_drafts must be >= 0"),
+        (lambda: PrefillMsg(*([[1]] * 2), [-1], *([[0]] * 7), [0], [], [0]), "lengths must be >= 0"),
+        (lambda: PrefillMsg(*([[1]] * 2), [1], *([[0]] * 6), [-1], [0], [], [0]), "first_round_drafts must be >= 0"),
+        (lambda: PrefillMsg(*([[1]] * 2), [1], *([[0]] * 6), [0], [2], [], [0]), "num_prompt_tokens must be in"),
+        (lambda: PrefillMsg(*([[1]] * 2), [1], *([[0]] * 6), [0], [1], [1, 2], [1]), "constraint_lengths sums to 1"),
         (lambda: SpeculationMsg(0, np.zeros((2, 3)), [0, 0], [0, 0], [], np.zeros((0, 3, 4))), "int64"),
         (lambda: SpeculationMsg(0, np.zeros(2, np.int64), [0, 0], [0, 0], [], np.zeros((0, 3, 4))), "2-D"),
         (lambda: _speculation(rows=(0, 0)), "distinct row indices"),

@@ -87,9 +87,26 @@ def test_unpack_reads_bit_i_of_word_w_as_token_32w_plus_i():
     assert torch.equal(torch.isneginf(logits[[1, 4, 2]]), ~allowed) and not torch.isinf(logits[[0, 3]]).any()
 
 
+def test_a_draft_keeps_to_the_grammar_in_its_own_vocabulary():
+    """``DraftDistribution.constrain`` masks draft columns by their target ids (a reduced draft vocabulary maps
+    them); a row allowing nothing the draft can propose keeps its logits."""
+    from ssd.speculative.drafting import DraftDistribution
+
+    draft_to_target = torch.tensor([3, 0, 7, -1, 5])  # draft column -> target id (-1: none)
+    dist = DraftDistribution(10, 10, draft_to_target)
+    allowed = torch.zeros(2, 1, dtype=torch.int32)
+    allowed[0, 0] = (1 << 7) | (1 << 5)  # row 0: target ids 7 and 5
+    allowed[1, 0] = 1 << 9  # row 1: target id 9, which the draft cannot propose
+    logits = torch.randn(3, 5)
+    out = dist.constrain(logits, ([0, 2], allowed))
+    assert torch.isneginf(out[0]).tolist() == [True, True, False, True, False]
+    assert torch.equal(out[1], logits[1]) and torch.equal(out[2], logits[2])
+    assert dist.greedy_tokens(out[:1]).item() in (7, 5)
+
+
 def test_a_rounds_masks_are_the_grammars_states_after_each_prefix_of_the_drafts(checkpoint_factory):
     tokenizer = Tokenizer(checkpoint_factory())
-    compiler = GrammarCompiler(tokenizer.hf_tokenizer, 512, tokenizer.eos_token_id)
+    compiler = GrammarCompiler.for_tokenizer(tokenizer, 512)
     spec = StructuredOutputs(regex=REGEX)
     text_ids = tokenizer.hf_tokenizer.encode("123-abc", add_special_tokens=False)
     grammar, stepwise = compiler.compile(spec), compiler.compile(spec)
@@ -222,13 +239,15 @@ def test_greedy_constrained_tokens_equal_plain_decoding_in_every_mode(models, co
         assert llm.stats.num_accepted_tokens > 0
 
 
-def test_drafts_are_drawn_from_the_grammars_allowed_tokens(models):
+@pytest.mark.parametrize("method", ["draft_model", "ssd"])
+def test_drafts_are_drawn_from_the_grammars_allowed_tokens(models, method):
     """With the target as its own draft, a draft masked like the target agrees with it at every position up to the
     EOS that ends a request (drafts after it count as rejected); the grammar makes letters and digits alternate, so
-    an unmasked draft would almost never propose an allowed token (measured: 0 of 98 accepted)."""
+    an unmasked draft would almost never propose an allowed token (measured: 0 of 98 accepted). SSD's worker
+    follows each sequence's grammar and keeps its tree's drafts and fork candidates to it."""
     target, _, _ = models
     params = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=dict(regex="([a-z][0-9])+"))
-    spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 4, "adaptive_lookahead": False,
+    spec = {"method": method, "model": target, "num_speculative_tokens": 4, "adaptive_lookahead": False,
             "prompt_lookup": False}
     with LLM(target, **ENGINE) as ar:
         expected = [o.token_ids for o in ar.generate(PROMPTS, params)]
@@ -236,21 +255,22 @@ def test_drafts_are_drawn_from_the_grammars_allowed_tokens(models):
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
         stats = llm.stats
     assert stats.num_accepted_tokens >= 0.75 * stats.num_draft_tokens > 0
+    if method == "ssd":  # the forks offer allowed candidates only, so the target's bonus tokens hit (12 of 12;
+        assert stats.cache_hits >= 0.75 * stats.cache_lookups > 0  # 1 of 8 with unmasked forks)
 
 
 # ------------------------------------------------------------------------------------------------ sampled
-@pytest.mark.parametrize("method, regex", [
-    ("draft_model", "([a-z][0-9])+"),  # the draft is masked too: without that it would never propose an allowed token
-    ("ssd", "[a-z]+( [a-z]+)*"),
-])
-def test_sampled_constrained_outputs_follow_the_target(models, method, regex):
+@pytest.mark.parametrize("method", ["draft_model", "ssd"])
+def test_sampled_constrained_outputs_follow_the_target(models, method):
     """Five tokens of 1,500 seeded requests (top-k 2 after the mask) against the constrained joint distribution
-    enumerated exactly, and told apart from the unconstrained one."""
+    enumerated exactly, and told apart from the unconstrained one. Letters and digits alternate: unmasked drafts
+    would never be accepted."""
     target, draft, _ = models
+    regex = "([a-z][0-9])+"
     params = SamplingParams(temperature=1.0, top_k=2, max_tokens=5, structured_outputs=dict(regex=regex))
     prompt = [17, 244, 90, 3, 411, 58]
     tokenizer = Tokenizer(target)
-    compiler = GrammarCompiler(tokenizer.hf_tokenizer, 512, tokenizer.eos_token_id)
+    compiler = GrammarCompiler.for_tokenizer(tokenizer, 512)
 
     def constraint(path):
         grammar = compiler.compile(params.structured_outputs)

@@ -14,7 +14,7 @@ from ssd.runtime.model_runner import ModelRunner
 from ssd.sample.sampler import SamplingTensors, draw_uniforms, processed_probs, sample
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.lookup import PromptLookup, copied_token
-from ssd.structured.bitmask import apply_bitmasks
+from ssd.structured.bitmask import any_allowed, apply_bitmasks, pack, unpack
 from ssd.structured.grammar import Grammar
 
 Allowed = tuple[list[int], torch.Tensor]  # rows a grammar constrains, and their [n, W] bitmasks
@@ -38,6 +38,7 @@ class DraftDistribution:
         # view, no copy); None: column index == target id
         self._target_ids: torch.Tensor | None = None
         self._columns: slice | torch.Tensor | None = None
+        self._proposable: torch.Tensor | None = None  # [W] bitmask of the target ids the draft can propose
         if draft_to_target is not None:
             known = draft_to_target >= 0
             self._scatter = (torch.nonzero(known).squeeze(1), draft_to_target[known])
@@ -115,40 +116,61 @@ class DraftDistribution:
         default_generator: torch.Generator | None,
         adjust: Adjust | None = None,
         forced: list[int | None] | None = None,
-        allowed: Allowed | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft token per row of draft ``logits [N, Vd]``: ``(tokens [N], probs [N, V] or None)``.
 
         ``probs`` are exactly the distributions sampled from (after ``adjust``). When every row is greedy
         they are one-hot and not built (None): the cheap path that most draft steps of a greedy batch take.
         A row with a ``forced`` token (prompt lookup) proposes it with a one-hot q instead; the choice must not
-        depend on this draw. ``allowed`` rows (structured outputs) draw among their grammar's allowed tokens only,
-        unless the draft can propose none of them. Generators advance as in :func:`ssd.sample.sampler.sample` in
-        every case.
+        depend on this draw. Generators advance as in :func:`ssd.sample.sampler.sample` in every case.
         """
         st = SamplingTensors.from_params(params, logits.device)
-        constrained = None if allowed is None else self._constrained_logits(logits, allowed)  # [N, V]
         if st.all_greedy:
             draw_uniforms(generators, [1] * len(params), 1, logits.device, default_generator)
-            greedy = self.greedy_tokens(logits) if constrained is None else constrained.argmax(dim=-1)
-            return _force(greedy, None, forced), None
-        probs = processed_probs(self.masked_logits(logits) if constrained is None else constrained, st)  # [N, V]
+            return _force(self.greedy_tokens(logits), None, forced), None
+        probs = processed_probs(self.masked_logits(logits), st)  # [N, V]
         if adjust is not None:
             probs = adjust(logits, probs)
         tokens = sample(probs, generators, st.greedy, default_generator)  # [N]
         return _force(tokens, probs, forced), probs
 
-    def _constrained_logits(self, logits: torch.Tensor, allowed: Allowed) -> torch.Tensor:
-        """``masked_logits`` with each grammar row restricted to its allowed tokens (rows left with none keep
-        the draft's own support: their draft is then rejected, and q stays a distribution)."""
-        full = self.masked_logits(logits)  # [N, V]
-        out = full.clone()
+    def constrain(self, logits: torch.Tensor, allowed: Allowed | None) -> torch.Tensor:
+        """Draft ``logits [N, Vd]`` with each grammar row's disallowed tokens at -inf (structured outputs), so every
+        other method (draws, top tokens, probabilities) keeps to the grammar. A copy; ``logits`` itself where
+        nothing is constrained. A row whose grammar allows nothing the draft can propose keeps its logits: its
+        draft is rejected then, and q stays a distribution."""
+        if allowed is None:
+            return logits
         rows, masks = allowed
-        apply_bitmasks(out, rows, masks)
-        index = torch.tensor(rows, dtype=torch.long, device=out.device)
-        empty = index[torch.isneginf(out[index]).all(dim=-1)]
-        out[empty] = full[empty]
+        masks = masks.to(logits.device)
+        keep = any_allowed(masks, self._proposable_bits(masks.shape[1], logits.device))  # [n]
+        rows = [r for r, k in zip(rows, keep.tolist()) if k]
+        masks = masks[keep]
+        out = logits.clone()
+        if not rows:
+            return out
+        if self._scatter is None:  # column index == target id
+            width = min(logits.shape[-1], self.target_vocab_size)
+            apply_bitmasks(out[:, :width], rows, masks)
+            return out
+        draft_ids, target_ids = self._scatter
+        columns = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=logits.device)  # [n, Vd]
+        columns[:, draft_ids] = unpack(masks, self.target_vocab_size)[:, target_ids]
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        out[index] = out[index].masked_fill(~columns, float("-inf"))
         return out
+
+    def _proposable_bits(self, width: int, device: torch.device) -> torch.Tensor:
+        """``[W]`` bitmask of the target ids the draft can propose (made once)."""
+        if self._proposable is None:
+            proposable = torch.zeros(self.target_vocab_size, dtype=torch.bool)
+            if self._scatter is None:
+                proposable[: self.num_usable_tokens] = True
+            else:
+                ids = self._scatter[1].cpu()
+                proposable[ids[ids < self.num_usable_tokens]] = True
+            self._proposable = pack(proposable)
+        return self._proposable[:width].to(device)
 
 
 def grammar_masks(grammars: list[Grammar | None] | None, rows: list[int], drafted: list[list[int]]) -> Allowed | None:
@@ -236,10 +258,11 @@ def draft_sequentially(
             copied[rows, step] = True
         if run:
             logits = runner.forward([ForwardItem(pending[i], positions[i], mirrors[i].block_table, 1) for i in run])
+            logits = distribution.constrain(logits, grammar_masks(grammars, run, drafted))
             hook = None if adjust is None else lambda lg, pr: adjust(step, run, lg, pr)
             tokens, probs = distribution.draw(
                 logits, [mirrors[i].sampling_params for i in run], [generators[i] for i in run], default_generator,
-                hook, allowed=grammar_masks(grammars, run, drafted),
+                hook,
             )
             rows_t = torch.tensor(run, device=device)
             tokens_out[rows_t, step] = tokens  # tokens: [R]

@@ -143,9 +143,9 @@ def draft_with_head(
             current[active] = out
         forced = [copied_token(lookups[i], drafted[i]) for i in active]
         hook = None if adjust is None else (lambda lg, pr, rows=active, s=step: adjust(s, rows, lg, pr))
+        logits = distribution.constrain(runner.logits(current[active]), grammar_masks(grammars, active, drafted))
         tokens, probs = distribution.draw(
-            runner.logits(current[active]), [params[i] for i in active], [generators[i] for i in active],
-            default_generator, hook, forced, grammar_masks(grammars, active, drafted),
+            logits, [params[i] for i in active], [generators[i] for i in active], default_generator, hook, forced,
         )
         rows = torch.tensor(active, device=device)
         tokens_out[rows, step] = tokens

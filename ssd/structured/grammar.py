@@ -14,32 +14,45 @@ afterwards); the engine then advances it by the tokens the round emitted (:meth:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ssd.structured.bitmask import bitmask_width
 from ssd.structured.spec import StructuredOutputs
+from ssd.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
 class GrammarCompiler:
-    """Compiles :class:`StructuredOutputs` for one tokenizer; converting the tokenizer (~0.3 s) happens at the
-    first compile, and llguidance is imported only then."""
+    """Compiles :class:`StructuredOutputs` for one tokenizer. llguidance is imported, and the tokenizer loaded and
+    converted (~0.3 s), at the first compile: an engine or draft worker that never sees a constraint pays nothing."""
 
-    def __init__(self, hf_tokenizer: Any, vocab_size: int, eos_token_id: int | None) -> None:
-        self._hf_tokenizer = hf_tokenizer
+    def __init__(self, load_tokenizer: Callable[[], Tokenizer], vocab_size: int) -> None:
+        self._load_tokenizer = load_tokenizer
         self.vocab_size = vocab_size
-        self._eos_token_id = eos_token_id
         self._lltokenizer: Any = None
+        self._eos_token_id: int | None = None
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Tokenizer, vocab_size: int) -> GrammarCompiler:
+        return cls(lambda: tokenizer, vocab_size)
+
+    @classmethod
+    def for_folder(cls, path: str, vocab_size: int) -> GrammarCompiler:
+        """The tokenizer is read from ``path`` at the first compile (a draft worker's view of the target's)."""
+        return cls(lambda: Tokenizer(path), vocab_size)
 
     def _tokenizer(self) -> Any:
         if self._lltokenizer is None:
             import llguidance.hf
 
+            tokenizer = self._load_tokenizer()
+            self._eos_token_id = tokenizer.eos_token_id
             self._lltokenizer = llguidance.hf.from_tokenizer(
-                self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_id
+                tokenizer.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_id
             )
         return self._lltokenizer
 

@@ -74,6 +74,14 @@ class StructuredOutputs:
             raise ValueError(f"structured_outputs has unknown fields {unknown}; known: {', '.join(FIELDS)}")
         return cls(**value)
 
+    def to_json(self) -> str:
+        """The set fields as JSON (what a draft worker receives); :meth:`from_json` reads it back."""
+        return json.dumps({k: getattr(self, k) for k in FIELDS if getattr(self, k) not in (None, False)})
+
+    @classmethod
+    def from_json(cls, text: str) -> StructuredOutputs:
+        return cls.from_value(json.loads(text))
+
     def schema_text(self) -> str:
         """The JSON schema to compile for ``json`` / ``json_object``."""
         if self.json_object:

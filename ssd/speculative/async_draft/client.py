@@ -285,4 +285,6 @@ def _prefill_message(seqs: list[Sequence], first_round_drafts: list[int]) -> wir
         [p.is_greedy for p in params],
         [p.seed for p in params],
         first_round_drafts,
+        [s.num_prompt_tokens for s in seqs],
+        [None if p.structured_outputs is None else p.structured_outputs.to_json() for p in params],
     )

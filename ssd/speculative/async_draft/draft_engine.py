@@ -27,7 +27,7 @@ per branch, since the next round asks for K again.
 
 With prompt lookup (``ssd/speculative/lookup.py``) every draft step, in the tree and in ``jit``, proposes the token it
 copies from the context instead of the model's whenever it has one, with a one-hot q; the bonus fork (k = K)
-tries that copy first.
+tries that copy first. A sequence with structured outputs keeps every draft and fork candidate to its grammar.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ from ssd.speculative.async_draft.draft_state import (
     DraftSeqState,
     SpeculateRow,
     SpeculationResult,
+    branch_masks,
+    draft_seed,
     drafts_before,
 )
 from ssd.speculative.async_draft.planning.calibration import AcceptanceCalibration
@@ -60,6 +62,8 @@ from ssd.speculative.async_draft.planning.fanout import FanOutPlan, per_k_counts
 from ssd.speculative.async_draft.tree import fork_dynamic, fork_fixed, tree_item
 from ssd.speculative.drafting import DraftDistribution, draft_sequentially
 from ssd.speculative.lookup import copied_run, new_lookup
+from ssd.structured.grammar import GrammarCompiler
+from ssd.structured.spec import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +79,7 @@ class DraftEngine:
         seed: int = 0,
         lookup: LookupConfig | None = None,
         pad_filler: bool = False,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.runner = runner
         self.kv = kv_manager
@@ -84,6 +89,7 @@ class DraftEngine:
         self.seed = seed
         self.lookup = lookup or LookupConfig(enabled=False)
         self.pad_filler = pad_filler
+        self.grammars = grammars  # compiles sequences' output constraints (structured outputs)
         self.states: dict[int, DraftSeqState] = {}
         self.last_build = BuildStats()
         self.calibration = AcceptanceCalibration()  # draft probability -> acceptance rate, for dynamic forks
@@ -117,6 +123,18 @@ class DraftEngine:
         state = DraftSeqState(mirror, generator, lookup=new_lookup(self.lookup, mirror.token_ids))
         self.states[seq_id] = state
         return state
+
+    def constrain(self, seq_id: int, constraint: StructuredOutputs, output_tokens: list[int]) -> None:
+        """Keep a (just prefilled) sequence's drafts to its output constraint; ``output_tokens``: those it has
+        emitted so far. Every draft step then draws among the tokens the grammar allows after the committed
+        tokens and the drafts before it, and forks offer only allowed candidates: the target masks them the same
+        way, so more drafts are accepted (exactness does not depend on it)."""
+        if self.grammars is None:
+            raise RuntimeError("this draft engine has no grammar compiler for structured outputs")
+        grammar = self.grammars.compile(constraint)
+        for token in output_tokens:
+            grammar.advance(token)
+        self.states[seq_id].grammar = grammar
 
     def expect_first_round(self, tree_depths: dict[int, int]) -> None:
         """Treat each (just prefilled) sequence's prompt as a verified speculation with no drafts, whose
@@ -175,6 +193,9 @@ class DraftEngine:
         consistent = k >= 0 and sent and row.new_tokens[:-1] == sent[1 : k + 1] and len(row.new_tokens) == k + 1
         pending_valid = mirror.num_computed_tokens == mirror.num_tokens
         mirror.append_tokens(row.new_tokens)
+        if state.grammar is not None:
+            for token in row.new_tokens:
+                state.grammar.advance(token)
         if not consistent:
             mirror.num_computed_tokens = max(0, min(mirror.num_computed_tokens, mirror.num_tokens - 1))
             return None
@@ -200,6 +221,7 @@ class DraftEngine:
             None,
             adjust=self._saguaro_jit,
             lookups=[s.lookup for s in states],
+            grammars=[s.grammar for s in states],
         )
         out = []
         for i, (state, row) in enumerate(zip(states, rows)):
@@ -247,6 +269,8 @@ class DraftEngine:
             self.last_build = BuildStats()
             return self.last_build
         glue_logits = self._glue(states, [_max_branches(p, len(s.speculation) - 1) for s, p in zip(states, plans)])
+        # forks offer only tokens the grammar allows (structured outputs): the target may emit only those
+        glue_logits = [self.dist.constrain(logits, s.glue_masks()) for s, logits in zip(states, glue_logits)]
         trees: list[list[Branch]] = []  # per sequence, its branches
         for state, plan, logits in zip(states, plans, glue_logits):
             if isinstance(plan, DynamicFanOut):
@@ -302,7 +326,7 @@ class DraftEngine:
             if not items:
                 break
             rows = [(states[i], branch) for i in owners for branch in trees[i] if branch.drafting]
-            logits = self._tree_forward(items, rows)  # [rows, Vd]
+            logits = self.dist.constrain(self._tree_forward(items, rows), branch_masks(rows))  # [rows, Vd]
             params = [state.mirror.sampling_params for state, _ in rows]
             generators = [state.generator for state, _ in rows]
             scaled = [_at(state.fan_out, j) for state, _ in rows]
@@ -363,20 +387,6 @@ class DraftEngine:
     def _allocate(self, mirror: Sequence, num_tokens: int) -> None:
         if not self.kv.allocate_slots(mirror, num_tokens):
             raise RuntimeError("draft KV cache exhausted; it is sized to never run out before the target's")
-
-
-
-def draft_seed(request_seed: int | None, engine_seed: int, seq_id: int) -> int:
-    """The seed of a sequence's draft generator, chosen so it never replays the target's random stream.
-
-    The target seeds a request's generator with the request's seed (unseeded requests share one seeded with
-    the engine seed). Reusing that seed here would make the draft's j-th draw equal the target's j-th
-    uniform, e.g. the acceptance test of the previous draft, which correlates drafts with their own
-    verification and biases the output distribution. An odd-multiplier affine map of 2**64 (a bijection)
-    keeps distinct sequences on distinct seeds.
-    """
-    base = request_seed if request_seed is not None else engine_seed * 1_000_003 + seq_id
-    return (base * 6364136223846793005 + 1442695040888963407) % 2**64
 
 
 def _at(values: list[int], index: int) -> int:

@@ -1,4 +1,5 @@
-"""The SSD draft engine's per-sequence state and its step inputs and outputs (see ``draft_engine.py``)."""
+"""The SSD draft engine's per-sequence state, its step inputs and outputs, and the per-sequence helpers (draft seeds,
+grammar masks of tree rows) of ``draft_engine.py``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import torch
 
 from ssd.core.sequence import Sequence
 from ssd.options import Fallback
+from ssd.speculative.drafting import Allowed
 from ssd.speculative.lookup import PromptLookup, copied_token
+from ssd.structured.grammar import Grammar
 
 
 @dataclass
@@ -32,6 +35,7 @@ class DraftSeqState:
     fan_out: list[int] = field(default_factory=list)  # F_0..F_K of the next cache build (Saguaro scales these)
     cache: dict[tuple[int, int], CachedSpeculation] = field(default_factory=dict)
     lookup: PromptLookup | None = None  # prompt lookup over the mirror's tokens
+    grammar: Grammar | None = None  # structured outputs: the state after the committed output tokens
 
     def copy(self, tail: list[int]) -> int | None:
         """What prompt lookup proposes after the committed tokens and ``tail``, if anything."""
@@ -40,6 +44,16 @@ class DraftSeqState:
     @property
     def greedy(self) -> bool:
         return self.mirror.sampling_params.is_greedy
+
+    def allowed_after(self, drafts: list[int]) -> torch.Tensor | None:
+        """``[W]``: the tokens the grammar allows after the committed tokens and ``drafts``; None: unconstrained."""
+        return None if self.grammar is None else self.grammar.mask_after(drafts)
+
+    def glue_masks(self) -> Allowed | None:
+        """What the grammar allows after each of t_n, e_1..e_L (the glue's logits rows); None: unconstrained."""
+        if self.grammar is None:
+            return None
+        return list(range(len(self.speculation))), self.grammar.masks_along(self.speculation[1:])
 
 
 @dataclass
@@ -100,3 +114,25 @@ class Branch:
 def drafts_before(state: DraftSeqState, k: int, token: int) -> list[int]:
     """The tokens of branch (k, token) after the committed ones: e_1..e_k, then the token."""
     return state.speculation[1 : k + 1] + [token]
+
+
+def branch_masks(rows: list[tuple[DraftSeqState, Branch]]) -> Allowed | None:
+    """The grammar masks of the tree rows whose sequence has one: what may follow each branch's tokens."""
+    masks = [(r, state.allowed_after(drafts_before(state, branch.k, branch.token) + branch.tokens))
+             for r, (state, branch) in enumerate(rows) if state.grammar is not None]
+    if not masks:
+        return None
+    return [r for r, _ in masks], torch.stack([m for _, m in masks])
+
+
+def draft_seed(request_seed: int | None, engine_seed: int, seq_id: int) -> int:
+    """The seed of a sequence's draft generator, chosen so it never replays the target's random stream.
+
+    The target seeds a request's generator with the request's seed (unseeded requests share one seeded with
+    the engine seed). Reusing that seed here would make the draft's j-th draw equal the target's j-th
+    uniform, e.g. the acceptance test of the previous draft, which correlates drafts with their own
+    verification and biases the output distribution. An odd-multiplier affine map of 2**64 (a bijection)
+    keeps distinct sequences on distinct seeds.
+    """
+    base = request_seed if request_seed is not None else engine_seed * 1_000_003 + seq_id
+    return (base * 6364136223846793005 + 1442695040888963407) % 2**64

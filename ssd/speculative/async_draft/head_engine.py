@@ -115,7 +115,7 @@ class HeadDraftEngine(DraftEngine):
             drafts = draft_with_head(
                 self.runner, items, torch.cat(features), [rows[i].num_drafts for i in todo],
                 [s.mirror.sampling_params for s in states], [s.generator for s in states], self.dist, None,
-                [s.lookup for s in states], adjust=self._saguaro_jit,
+                [s.lookup for s in states], adjust=self._saguaro_jit, grammars=[s.grammar for s in states],
             )
             for r, (i, state) in enumerate(zip(todo, states)):
                 self._keep_committed(state)

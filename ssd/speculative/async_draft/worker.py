@@ -36,6 +36,8 @@ from ssd.speculative.async_draft.planning.fanout import BudgetController, FanOut
 from ssd.speculative.async_draft.wire import protocol as wire
 from ssd.speculative.drafting import DraftDistribution
 from ssd.speculative.head_runner import HeadRunner, load_head
+from ssd.structured.grammar import GrammarCompiler
+from ssd.structured.spec import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +83,7 @@ def build_draft_engine(config: WorkerConfig) -> DraftEngine:
     kv = KVCacheManager(BlockPool(runner.num_blocks, engine_config.block_size, engine_config.enable_prefix_caching))
     dist = DraftDistribution.for_runner(runner, config.target_vocab_size, config.num_usable_tokens)
     return DraftEngine(runner, kv, dist, spec.num_speculative_tokens, spec.saguaro_c, engine_config.seed, spec.lookup,
-                       pad_filler=spec.filler_padding is FillerPadding.REPEAT)
+                       pad_filler=spec.filler_padding is FillerPadding.REPEAT, grammars=_grammars(config))
 
 
 def _build_head_engine(config: WorkerConfig) -> HeadDraftEngine:
@@ -93,7 +95,14 @@ def _build_head_engine(config: WorkerConfig) -> HeadDraftEngine:
     kv = KVCacheManager(BlockPool(runner.num_blocks, engine_config.block_size, enable_prefix_caching=False))
     dist = DraftDistribution(config.target_vocab_size, config.num_usable_tokens, head.draft_to_target.to(runner.device))
     return HeadDraftEngine(runner, kv, dist, spec.num_speculative_tokens, spec.saguaro_c, engine_config.seed,
-                           spec.lookup, pad_filler=spec.filler_padding is FillerPadding.REPEAT)
+                           spec.lookup, pad_filler=spec.filler_padding is FillerPadding.REPEAT,
+                           grammars=_grammars(config))
+
+
+def _grammars(config: WorkerConfig) -> GrammarCompiler:
+    """Output constraints compile against the target's tokenizer (drafts are target ids), loaded at the first."""
+    engine_config = config.engine_config
+    return GrammarCompiler.for_folder(engine_config.tokenizer or engine_config.model, config.target_vocab_size)
 
 
 class FanOutPlanner:
@@ -210,8 +219,12 @@ class DraftWorker:
         """Prefill new sequences; build their first-round caches now, while the target computes the prompts,
         unless other sequences' request is already waiting (then with their next cache, so the draft does not
         hold them up)."""
-        self.engine.prefill([(int(sid), toks.tolist(), _params(msg, row))
-                             for row, (sid, toks) in enumerate(zip(msg.seq_ids, msg.token_lists()))])
+        seqs = [(int(sid), toks.tolist(), _params(msg, row))
+                for row, (sid, toks) in enumerate(zip(msg.seq_ids, msg.token_lists()))]
+        self.engine.prefill(seqs)
+        for (seq_id, tokens, _), start, constraint in zip(seqs, msg.num_prompt_tokens, msg.constraint_texts()):
+            if constraint is not None:
+                self.engine.constrain(seq_id, StructuredOutputs.from_json(constraint), tokens[int(start):])
         requested = dict(zip(msg.seq_ids.tolist(), msg.first_round_drafts.tolist()))
         for seq_id in requested:  # a re-prefilled sequence drops a first round still pending
             self.first_round.pop(seq_id, None)

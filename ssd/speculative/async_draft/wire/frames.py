@@ -33,8 +33,8 @@ from typing import Any, Union
 
 import numpy as np
 
-PROTOCOL_VERSION = 4  # 2: PING and PONG left the wire (nothing sent them); 3: SPECULATE's tree_depth;
-# 4: SPECULATE's target features (EAGLE-3 heads)
+PROTOCOL_VERSION = 5  # 2: PING and PONG left the wire (nothing sent them); 3: SPECULATE's tree_depth;
+# 4: SPECULATE's target features (EAGLE-3 heads); 5: PREFILL's output constraints (structured outputs)
 _MAGIC = b"SSDw"
 _PREFIX = struct.Struct("<4sHHI")  # magic, version, command, header length
 _ALIGN = 8

@@ -39,6 +39,7 @@ from ssd.speculative.async_draft.wire.message_base import (  # noqa: F401 - re-e
     scatter_prob_rows,
     split_ragged,
 )
+from ssd.speculative.async_draft.wire.prefill import PrefillMsg  # noqa: F401 - re-exported: a message
 
 logger = logging.getLogger(__name__)
 
@@ -61,85 +62,6 @@ _U64 = np.dtype(np.uint64)
 _U8 = np.dtype(np.uint8)
 _F32 = np.dtype(np.float32)
 _BOOL = np.dtype(np.bool_)
-
-
-@dataclass(eq=False)
-class PrefillMsg(WireMessage):
-    """New sequences for the worker: their tokens so far and the sampling options drafts must follow.
-
-    first_round_drafts > 0 asks the worker to build, right after the prefill, the cache for the sequence's
-    first round with that many drafts per branch: candidates for the token the target's prompt step emits on
-    its own (the engine then sends that round with num_accepted = 0). 0: no such build.
-
-    Seeds are uint64 with a `has_seed` mask rather than int64 with -1 = none, because requests may use
-    any seed in [0, 2**64 - 1] (SamplingParams allows it).
-    """
-
-    COMMAND: ClassVar[Command] = Command.PREFILL
-    ARRAYS: ClassVar[dict[str, tuple[np.dtype, int]]] = {
-        "seq_ids": (_I64, 1),
-        "token_ids": (_I64, 1),
-        "lengths": (_I64, 1),
-        "temperature": (_F32, 1),
-        "top_k": (_I32, 1),
-        "top_p": (_F32, 1),
-        "greedy": (_BOOL, 1),
-        "seed": (_U64, 1),
-        "has_seed": (_BOOL, 1),
-        "first_round_drafts": (_I32, 1),
-    }
-
-    seq_ids: np.ndarray  # [B] int64
-    token_ids: np.ndarray  # [N] int64, every sequence's tokens back to back
-    lengths: np.ndarray  # [B] int64, sum == N
-    temperature: np.ndarray  # [B] float32
-    top_k: np.ndarray  # [B] int32, 0 = disabled
-    top_p: np.ndarray  # [B] float32, 1 = disabled
-    greedy: np.ndarray  # [B] bool
-    seed: np.ndarray  # [B] uint64, meaningful where has_seed
-    has_seed: np.ndarray  # [B] bool
-    first_round_drafts: np.ndarray  # [B] int32, 0 = no cache build after the prefill
-
-    def _validate(self) -> None:
-        per_row = ("lengths", "temperature", "top_k", "top_p", "greedy", "seed", "has_seed", "first_round_drafts")
-        check_rows("PrefillMsg", self.seq_ids.shape[0], self, per_row)
-        check_ragged("PrefillMsg", "token_ids", "lengths", self)
-        if (self.first_round_drafts < 0).any():
-            raise ProtocolError("PrefillMsg.first_round_drafts must be >= 0")
-
-    @classmethod
-    def from_lists(
-        cls,
-        seq_ids: Sequence[int],
-        token_ids: Sequence[Sequence[int]],
-        temperature: Sequence[float],
-        top_k: Sequence[int],
-        top_p: Sequence[float],
-        greedy: Sequence[bool],
-        seeds: Sequence[int | None],
-        first_round_drafts: Sequence[int] | None = None,
-    ) -> PrefillMsg:
-        flat, lengths = pack_ragged(token_ids)
-        seed = np.array([0 if s is None else s for s in seeds], dtype=np.uint64)  # [B]
-        has_seed = np.array([s is not None for s in seeds], dtype=np.bool_)  # [B]
-        if first_round_drafts is None:
-            first_round_drafts = [0] * len(seq_ids)
-        return cls(
-            seq_ids=np.asarray(seq_ids, dtype=np.int64), token_ids=flat, lengths=lengths,
-            temperature=np.asarray(temperature, dtype=np.float32), top_k=np.asarray(top_k, dtype=np.int32),
-            top_p=np.asarray(top_p, dtype=np.float32), greedy=np.asarray(greedy, dtype=np.bool_),
-            seed=seed, has_seed=has_seed, first_round_drafts=np.asarray(first_round_drafts, dtype=np.int32),
-        )
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.seq_ids.shape[0])
-
-    def token_lists(self) -> list[np.ndarray]:
-        return split_ragged(self.token_ids, self.lengths)
-
-    def seed_of(self, row: int) -> int | None:
-        return int(self.seed[row]) if self.has_seed[row] else None
 
 
 @dataclass(eq=False)
