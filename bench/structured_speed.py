@@ -2,8 +2,9 @@
 
 For AR, SD and SSD (the project's draft, K = 4) this generates the same chat prompts greedily, once plainly and
 once constrained to a JSON schema (the prompts ask for that JSON), alternating the two and repeating, and prints
-tok/s of each, their ratio, the acceptance length and the target-side mask time per generated token (the grammar
-masks of every verified position, on the critical path; SSD's draft-side masks run in its worker, overlapped).
+tok/s of each, their ratio, the acceptance length and the mask time per generated token in the engine's process
+(computing the grammar's masks and applying them to the target's logits and, for SD, to the draft's: on the critical
+path; SSD's draft-side masks run in its worker, overlapped with verification).
 Every constrained output is checked to parse and to equal constrained AR's.
 
     python bench/structured_speed.py [--max-tokens 64] [--repeats 2] [--json bench/results/structured_speed.json]
@@ -28,6 +29,8 @@ from machine import machine_info  # noqa: E402
 from ssd import LLM, SamplingParams  # noqa: E402
 from ssd.models.fetch import fetch_default_target  # noqa: E402
 from ssd.models.weight_formats import fbgemm_available  # noqa: E402
+from ssd import step  # noqa: E402
+from ssd.speculative.drafting import DraftDistribution  # noqa: E402
 from ssd.structured.grammar import Grammar  # noqa: E402
 
 SCHEMA = {
@@ -51,21 +54,24 @@ MODES = {
 
 
 class MaskClock:
-    """Accumulates the wall time of the grammar's mask calls in this process (the target's side)."""
+    """Accumulates the wall time of mask work in this process: the grammar's masks, applying them to the target's
+    logits (``ssd.step.apply_bitmasks``) and to an in-process draft's (``DraftDistribution.constrain``)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        for name in ("masks_along", "mask_after"):
-            inner = getattr(Grammar, name)
+        for owner, name in ((Grammar, "masks_along"), (Grammar, "mask_after"), (step, "apply_bitmasks"),
+                            (DraftDistribution, "constrain")):
+            setattr(owner, name, self._timed(getattr(owner, name)))
 
-            def timed(grammar, drafts, _inner=inner):
-                start = time.perf_counter()
-                try:
-                    return _inner(grammar, drafts)
-                finally:
-                    self.seconds += time.perf_counter() - start
+    def _timed(self, inner):
+        def timed(*args):
+            start = time.perf_counter()
+            try:
+                return inner(*args)
+            finally:
+                self.seconds += time.perf_counter() - start
 
-            setattr(Grammar, name, timed)
+        return timed
 
 
 def run_mode(mode: str, model: str, draft: str, args: argparse.Namespace, clock: MaskClock) -> dict[str, Any]:

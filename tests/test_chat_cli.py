@@ -9,6 +9,7 @@ replies, one per line, and ``--metrics`` lines go to stderr.
 from __future__ import annotations
 
 import io
+import json
 import re
 import shutil
 import socket
@@ -123,3 +124,24 @@ def test_decode_rate_leaves_out_the_first_chunk() -> None:
     assert ReplyStats(10, elapsed_s=2.0, ttft_s=1.0, num_first_tokens=5).decode_tokens_per_s == 5.0
     assert ReplyStats(10, elapsed_s=2.0, ttft_s=1.0).decode_tokens_per_s == 9.0
     assert ReplyStats(5, elapsed_s=2.0, ttft_s=1.0, num_first_tokens=5).decode_tokens_per_s is None
+
+
+def test_structured_outputs_flag_locally_and_through_a_server(monkeypatch, capsys, target):
+    """``--structured-outputs`` constrains the local engine's replies and is sent to a server as the request's
+    ``structured_outputs`` field: both reply with the constrained AR's text; a malformed constraint is a usage error."""
+    choices = ["red", "green", "blue"]
+    flags = ["--structured-outputs", json.dumps({"choice": choices}), "--temperature", "0", "--max-tokens", "8"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs={"choice": choices})
+    with LLM(str(target), dtype="float32", max_model_len=256, kv_cache_memory="16MiB", seed=0) as llm:
+        expected = llm.chat([{"role": "user", "content": TURNS[0]}], params)[0].text
+    assert expected in choices
+    code, out, err = run_cli(monkeypatch, capsys, ["--model", str(target), *ENGINE_FLAGS, *flags], TURNS[0] + "\n")
+    assert code == 0 and out == f"{expected}\n", err
+    engine = LLMEngine(EngineConfig(model=str(target), dtype="float32", max_model_len=256, kv_cache_memory="16MiB",
+                                    seed=0))
+    with BackgroundServer(create_app(engine, "tiny")) as server:
+        code, out, err = run_cli(monkeypatch, capsys, ["--url", server.url + "/v1", *flags], TURNS[0] + "\n")
+    assert code == 0 and out == f"{expected}\n", err
+    with pytest.raises(SystemExit):
+        run_cli(monkeypatch, capsys, ["--structured-outputs", '{"choice": []}'], "hi\n")
+    assert "choice must be a non-empty list" in capsys.readouterr().err

@@ -159,6 +159,8 @@ class RemoteBackend:
             body["seed"] = p.seed
         if p.ignore_eos:
             body["ignore_eos"] = True
+        if p.structured_outputs is not None:
+            body["structured_outputs"] = json.loads(p.structured_outputs.to_json())
         return body
 
     def reply(self, messages: list[Message], on_text: Callable[[str], None]) -> ReplyStats:

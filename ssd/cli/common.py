@@ -28,6 +28,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--sampling-seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--structured-outputs", type=_constraint, default=None, metavar="JSON",
+                   help='an output constraint, e.g. \'{"regex": "[0-9]+"}\' or \'{"json": {"type": "object"}}\' '
+                        "(one of json, json_object, regex, grammar, choice; SamplingParams.structured_outputs)")
+
+
+def _constraint(text: str) -> Any:
+    from ssd.structured.spec import StructuredOutputs
+
+    try:
+        return StructuredOutputs.from_json(text)
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError too
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def default_model() -> str:
@@ -79,4 +91,5 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         repetition_penalty=args.repetition_penalty,
         seed=args.sampling_seed,
         ignore_eos=args.ignore_eos,
+        structured_outputs=args.structured_outputs,
     )

@@ -14,7 +14,7 @@ afterwards); the engine then advances it by the tokens the round emitted (:meth:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -85,6 +85,9 @@ class Grammar:
         self._matcher = matcher
         self.width = bitmask_width(vocab_size)
         self._eos_token_id = eos_token_id
+        # masks computed since the last advance, by the drafts they follow: a round's verification reuses its
+        # draft steps' masks, and a cache build's branches their shared prefixes'
+        self._memo: dict[tuple[int, ...], torch.Tensor] = {}
 
     def masks_along(self, drafts: list[int]) -> torch.Tensor:
         """``[len(drafts) + 1, width]`` int32 bitmasks: row j allows the tokens that may follow ``drafts[:j]``.
@@ -93,39 +96,47 @@ class Grammar:
         the refused draft is rejected there (the target's masked probability of it is 0), so later rows are never
         used, but they stay valid distributions.
         """
-        masks = torch.empty(len(drafts) + 1, self.width, dtype=torch.int32)
-        valid = self._walk(drafts, masks)
-        masks[valid + 1 :] = masks[valid]
-        return masks
+        valid = self._valid_prefix(drafts)
+        rows = self._masks(drafts, range(valid + 1))
+        return torch.stack(rows + [rows[-1]] * (len(drafts) - valid))
 
     def mask_after(self, drafts: list[int]) -> torch.Tensor:
         """``[width]``: the tokens that may follow ``drafts`` (or their longest prefix the grammar allows); the
         state is left where it was. What a draft step masks its next draft with."""
-        mask = torch.empty(1, self.width, dtype=torch.int32)
-        self._walk(drafts, mask, only_last=True)
-        return mask[0]
+        return self._masks(drafts, [self._valid_prefix(drafts)])[0]
 
-    def _walk(self, drafts: list[int], masks: torch.Tensor, only_last: bool = False) -> int:
-        """Fill ``masks`` with the states along ``drafts`` (or only the last one, into row 0), then roll back.
-        Returns how many leading drafts the grammar allows, stopping at an EOS: nothing follows one, and an EOS
-        consumed once the grammar has stopped is not recorded by llguidance (rolling back over it would undo one
-        token too many)."""
+    def _valid_prefix(self, drafts: list[int]) -> int:
+        """How many leading drafts the grammar allows, stopping at an EOS: nothing follows one, and an EOS consumed
+        once the grammar has stopped is not recorded by llguidance (rolling back over it would undo one token too
+        many)."""
         valid = self._matcher.validate_tokens(drafts) if drafts else 0
         if self._eos_token_id in drafts[:valid]:
             valid = drafts.index(self._eos_token_id)
-        for j in range(valid + 1):
-            if not only_last or j == valid:
-                self._fill(masks[0 if only_last else j])
-            if j < valid and not self._matcher.consume_token(drafts[j]):
-                raise RuntimeError(f"grammar refused draft {drafts[j]} it had validated: {self._matcher.get_error()}")
-        if valid:
-            self._matcher.rollback(valid)
         return valid
+
+    def _masks(self, drafts: list[int], ends: Iterable[int]) -> list[torch.Tensor]:
+        """The masks after ``drafts[:j]`` for each j in ``ends`` (allowed prefixes), computed where not memoised by
+        walking the drafts and rolling back."""
+        ends = list(ends)
+        missing = [j for j in ends if tuple(drafts[:j]) not in self._memo]
+        if missing:
+            last = max(missing)
+            for j in range(last + 1):
+                if j in missing:
+                    mask = torch.empty(self.width, dtype=torch.int32)
+                    self._fill(mask)
+                    self._memo[tuple(drafts[:j])] = mask
+                if j < last and not self._matcher.consume_token(drafts[j]):
+                    raise RuntimeError(f"grammar refused draft {drafts[j]} it had validated: {self._matcher.get_error()}")
+            if last:
+                self._matcher.rollback(last)
+        return [self._memo[tuple(drafts[:j])] for j in ends]
 
     def advance(self, token: int) -> bool:
         """Advance by an emitted token; True once the grammar is complete (the request ends there)."""
         if not self._matcher.consume_token(token):  # cannot happen: every emitted token comes from a masked row
             raise RuntimeError(f"emitted token {token} breaks the grammar: {self._matcher.get_error()}")
+        self._memo.clear()
         return self.terminated
 
     @property
