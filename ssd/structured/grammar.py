@@ -8,12 +8,14 @@ grammars and choices alike, with rollback, which speculation needs.
 
 A :class:`Grammar` follows the tokens a sequence has emitted. Verification asks it for the mask of every
 position of a round (:meth:`Grammar.masks_along`: the state after each prefix of the drafts, rolled back
-afterwards); the engine then advances it by the tokens the round emitted (:meth:`Grammar.advance`).
+afterwards; a draft step asks :meth:`Grammar.mask_after` for one), and the engine then advances it by the tokens
+the round emitted (:meth:`Grammar.advance`). Masks are memoised until the next advance, so a round's verification
+reuses its draft steps' masks; callers must not modify the tensors they get.
 """
 
 from __future__ import annotations
 
-import logging
+import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -22,8 +24,6 @@ import torch
 from ssd.structured.bitmask import bitmask_width
 from ssd.structured.spec import StructuredOutputs
 from ssd.tokenizer import Tokenizer
-
-logger = logging.getLogger(__name__)
 
 
 class GrammarCompiler:
@@ -71,7 +71,7 @@ class GrammarCompiler:
         elif spec.kind == "grammar":
             text = llguidance.grammar_from("grammar", spec.grammar)
         else:
-            text = llguidance.grammar_from("choice", _json_list(spec.choice))
+            text = llguidance.grammar_from("choice", json.dumps(list(spec.choice or ())))
         matcher = llguidance.LLMatcher(self._tokenizer(), text, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured outputs: the {spec.kind} does not compile: {matcher.get_error().strip()}")
@@ -147,8 +147,3 @@ class Grammar:
     def _fill(self, row: torch.Tensor) -> None:
         self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
 
-
-def _json_list(items: tuple[str, ...] | None) -> str:
-    import json
-
-    return json.dumps(list(items or ()))
