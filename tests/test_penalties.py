@@ -148,6 +148,21 @@ def test_verified_positions_count_the_drafts_before_them(models):
     assert stats.num_accepted_tokens > 0.2 * stats.num_draft_tokens > 0
 
 
+def test_drafts_are_penalised_like_the_target(models):
+    """With the target as its own draft, a draft penalised as the target is proposes what the target emits (measured:
+    90 of 102 drafts accepted; drawn without penalties, 74 of 162)."""
+    target, _, _ = models
+    params = _greedy(**PENALISED)
+    spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 4, "adaptive_lookahead": False,
+            "prompt_lookup": False}
+    with LLM(target, **ENGINE) as ar:
+        expected = [o.token_ids for o in ar.generate(PROMPTS, params)]
+    with LLM(target, **ENGINE, speculative_config=spec) as llm:
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
+        stats = llm.stats
+    assert stats.num_accepted_tokens >= 0.8 * stats.num_draft_tokens > 0
+
+
 # ------------------------------------------------------------------------------------------------ sampled
 @pytest.mark.parametrize("method", ["draft_model", "ssd"])
 def test_sampled_penalised_outputs_follow_the_target(models, method):

@@ -16,7 +16,7 @@ import torch
 
 from ssd.distributed.comm import DistributedInit, TensorParallelGroup
 from ssd.distributed.commands import ForwardCommand, ShutdownCommand
-from ssd.options import ACTIVATION_QUANTIZED_FORMATS, Process, WeightFormat, options_for
+from ssd.options import Process, WeightFormat, options_for
 
 if TYPE_CHECKING:
     from ssd.config import EngineConfig

@@ -32,7 +32,6 @@ attention with the row-invariant kernel, like ``"w8a8"``.
 from __future__ import annotations
 
 import enum
-import functools
 from dataclasses import dataclass
 
 import torch

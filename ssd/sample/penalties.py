@@ -4,7 +4,9 @@ frequency_penalty and presence_penalty do to a position's logits, given the toke
 Every mode computes the same function of the same tokens: a plain decode step at the sequence's next position,
 and a verification round at each of its K + 1 positions with the drafts before that position counted as generated
 (they are, if the position's token is ever emitted), so greedy tokens stay those of plain decoding and sampled
-ones follow the penalised distribution. Drafts are drawn without penalties, which costs acceptance only.
+ones follow the penalised distribution. SD's and EAGLE-3's drafts are penalised the same way, with the drafts before
+them counted (``DraftDistribution.draw``), so they follow the penalised target more often; SSD's worker drafts
+without penalties, which costs acceptance only.
 """
 
 from __future__ import annotations

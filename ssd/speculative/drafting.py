@@ -11,6 +11,7 @@ import torch
 from ssd.core.sequence import Sequence
 from ssd.runtime.forward_items import ForwardItem
 from ssd.runtime.model_runner import ModelRunner
+from ssd.sample.penalties import PenaltyRow, apply_penalties
 from ssd.sample.sampler import SamplingTensors, draw_uniforms, processed_probs, sample
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.lookup import PromptLookup, copied_token
@@ -116,19 +117,27 @@ class DraftDistribution:
         default_generator: torch.Generator | None,
         adjust: Adjust | None = None,
         forced: list[int | None] | None = None,
+        penalties: list[PenaltyRow] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft token per row of draft ``logits [N, Vd]``: ``(tokens [N], probs [N, V] or None)``.
 
         ``probs`` are exactly the distributions sampled from (after ``adjust``). When every row is greedy
         they are one-hot and not built (None): the cheap path that most draft steps of a greedy batch take.
         A row with a ``forced`` token (prompt lookup) proposes it with a one-hot q instead; the choice must not
-        depend on this draw. Generators advance as in :func:`ssd.sample.sampler.sample` in every case.
+        depend on this draw. ``penalties`` (rows of ``logits``) penalise the draft as the target is penalised, so
+        a penalised request's drafts follow its target more often. Generators advance as in
+        :func:`ssd.sample.sampler.sample` in every case.
         """
         st = SamplingTensors.from_params(params, logits.device)
+        full = None  # [N, V] over target ids, built only where penalties need it
+        if penalties:
+            full = self.masked_logits(logits).clone()
+            apply_penalties(full, penalties)
         if st.all_greedy:
             draw_uniforms(generators, [1] * len(params), 1, logits.device, default_generator)
-            return _force(self.greedy_tokens(logits), None, forced), None
-        probs = processed_probs(self.masked_logits(logits), st)  # [N, V]
+            greedy = self.greedy_tokens(logits) if full is None else full.argmax(dim=-1)  # lowest id on ties alike
+            return _force(greedy, None, forced), None
+        probs = processed_probs(self.masked_logits(logits) if full is None else full, st)  # [N, V]
         if adjust is not None:
             probs = adjust(logits, probs)
         tokens = sample(probs, generators, st.greedy, default_generator)  # [N]
@@ -171,6 +180,13 @@ class DraftDistribution:
                 proposable[ids[ids < self.num_usable_tokens]] = True
             self._proposable = pack(proposable)
         return self._proposable[:width].to(device)
+
+
+def draft_penalties(seqs: list[Sequence], rows: list[int], drafted: list[list[int]]) -> list[PenaltyRow]:
+    """The penalties of a draft step over ``rows`` (position p of the step's logits is ``rows[p]``): each penalised
+    sequence's options, prompt, and output with its drafts so far counted as generated, as the target counts them."""
+    return [PenaltyRow(p, seqs[i].sampling_params, seqs[i].prompt_token_ids, seqs[i].output_token_ids + drafted[i])
+            for p, i in enumerate(rows) if seqs[i].sampling_params.has_penalties]
 
 
 def grammar_masks(grammars: list[Grammar | None] | None, rows: list[int], drafted: list[list[int]]) -> Allowed | None:
@@ -234,7 +250,8 @@ def draft_sequentially(
     then d_1..d_{K-1} at most) and ``num_computed_tokens`` counts those of the mirror's own tokens.
     ``adjust(step, rows, logits, probs)`` may reshape the distribution a draft is drawn from (Saguaro scaling);
     ``grammars[i]`` (structured outputs) restricts row i's drafts to what its grammar allows after the drafts
-    before them. The returned probabilities are exactly the ones sampled from.
+    before them, and a mirror's penalties (its sampling options) apply as the target applies them. The returned
+    probabilities are exactly the ones sampled from.
     """
     device = runner.device
     max_drafts = max(num_drafts)
@@ -262,7 +279,7 @@ def draft_sequentially(
             hook = None if adjust is None else lambda lg, pr: adjust(step, run, lg, pr)
             tokens, probs = distribution.draw(
                 logits, [mirrors[i].sampling_params for i in run], [generators[i] for i in run], default_generator,
-                hook,
+                hook, penalties=draft_penalties(mirrors, run, drafted),
             )
             rows_t = torch.tensor(run, device=device)
             tokens_out[rows_t, step] = tokens  # tokens: [R]

@@ -129,7 +129,7 @@ class Eagle3Proposer:
             self.runner, items, self.runner.fuse(torch.cat(feature_rows)), [r.num_drafts for r in requests],
             [r.seq.sampling_params for r in requests], [r.generator for r in requests], self.distribution,
             self.default_generator, [self.lookups.get(r.seq.seq_id) for r in requests],
-            grammars=[r.grammar for r in requests],
+            grammars=[r.grammar for r in requests], seqs=[r.seq for r in requests],
         )
         for r, mirror, end in zip(requests, mirrors, ends):
             mirror.num_computed_tokens = end  # step 2's rows are dropped: the target's features replace them

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ssd.core.sequence import Sequence
 from ssd.dtypes import torch_dtype
 from ssd.models.arch import ModelArchConfig
 from ssd.models.attention_layout import build_step_tensors
@@ -24,7 +25,7 @@ from ssd.models.weight_formats import pack_weights
 from ssd.options import PACKED_WEIGHT_FORMATS, WeightFormat
 from ssd.runtime.forward_items import ForwardItem, flatten_items
 from ssd.sampling_params import SamplingParams
-from ssd.speculative.drafting import DraftDistribution, ProbsHook, grammar_masks
+from ssd.speculative.drafting import DraftDistribution, ProbsHook, draft_penalties, grammar_masks
 from ssd.speculative.lookup import PromptLookup, copied_token
 from ssd.structured.grammar import Grammar
 
@@ -114,6 +115,7 @@ def draft_with_head(
     lookups: list[PromptLookup | None],
     adjust: ProbsHook | None = None,
     grammars: list[Grammar | None] | None = None,
+    seqs: list[Sequence] | None = None,
 ) -> HeadDrafts:
     """Run each row's ``catch_up`` item (rows through its pending token, one logit row) on ``features [T, H]``, then
     draft ``num_drafts[i]`` tokens a row at a time, each row reading the previous row's output as its feature.
@@ -121,7 +123,8 @@ def draft_with_head(
     A position where prompt lookup copies a token takes it with a one-hot q instead of the head's draw; the head
     still runs that row (its output is the next row's feature). ``adjust(step, rows, logits, probs)`` may reshape a
     distribution before the draw (Saguaro), ``grammars[i]`` restricts row i's drafts to its grammar's allowed
-    tokens; the returned q are exactly the distributions drawn from. The rows after
+    tokens, and ``seqs[i]`` (the sequence, with its prompt and output) penalises them as its target is penalised;
+    the returned q are exactly the distributions drawn from. The rows after
     the pending ones are written at the catch-up items' next positions of their block tables, which must have
     slots for ``num_drafts[i] - 1`` of them.
     """
@@ -144,8 +147,10 @@ def draft_with_head(
         forced = [copied_token(lookups[i], drafted[i]) for i in active]
         hook = None if adjust is None else (lambda lg, pr, rows=active, s=step: adjust(s, rows, lg, pr))
         logits = distribution.constrain(runner.logits(current[active]), grammar_masks(grammars, active, drafted))
+        penalties = None if seqs is None else draft_penalties(seqs, active, drafted)
         tokens, probs = distribution.draw(
             logits, [params[i] for i in active], [generators[i] for i in active], default_generator, hook, forced,
+            penalties,
         )
         rows = torch.tensor(active, device=device)
         tokens_out[rows, step] = tokens
