@@ -137,7 +137,8 @@ class StepExecutor:
         apply_penalties(logits, penalised)
         if masked_rows:
             apply_bitmasks(logits, masked_rows, torch.cat(masks))
-        _ban_tokens(logits, [(r, contexts[seq.seq_id].banned_token_ids) for seq, r in sample_rows])
+        _ban_tokens(logits, [(r, contexts[seq.seq_id].banned_token_ids, contexts[seq.seq_id].grammar is not None)
+                             for seq, r in sample_rows])
         probs = processed_probs(logits, SamplingTensors.from_params(row_params, logits.device))  # [N, V]
 
         if sample_rows:
@@ -205,13 +206,14 @@ def _completes(s: ScheduledSequence) -> bool:
     return s.seq.num_computed_tokens + s.num_new_tokens >= s.seq.num_tokens
 
 
-def _ban_tokens(logits: torch.Tensor, bans: list[tuple[int, list[int]]]) -> None:
-    """Ban tokens (EOS below min_tokens) unless that leaves a row nothing: a grammar allowing only EOS wins."""
-    for row, token_ids in bans:
+def _ban_tokens(logits: torch.Tensor, bans: list[tuple[int, list[int], bool]]) -> None:
+    """Ban tokens (EOS below min_tokens) in (row, tokens, constrained by a grammar) rows. A grammar row keeps them
+    where banning would leave it nothing (a grammar allowing only EOS wins); other rows always have tokens left."""
+    for row, token_ids, constrained in bans:
         if token_ids:
-            kept = logits[row, token_ids].clone()
+            kept = logits[row, token_ids].clone() if constrained else None
             logits[row, token_ids] = float("-inf")
-            if torch.isneginf(logits[row]).all():
+            if kept is not None and torch.isneginf(logits[row]).all():
                 logits[row, token_ids] = kept
 
 

@@ -1,4 +1,5 @@
-"""Random EAGLE-3 heads written in the published checkpoint layout (see ``ssd/models/eagle3.py``)."""
+"""Random EAGLE-3 heads written in the published checkpoint layout (see ``ssd/models/eagle3.py``), and the models
+and speculative configs of every mode for tests of a sampling option across modes (``make_mode_models``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from ssd_utils import make_perturbed_draft
 
 VOCAB = 512  # the test targets' vocabulary (tests/checkpoints.py)
 LAYERS = [0, 1, 1]  # the test targets have two layers; published heads read (2, L // 2, L - 3)
@@ -108,3 +110,23 @@ def make_test_pairs(checkpoint_factory, root: Path) -> dict[str, str]:
     save_file(state, agreeing_head / "model.safetensors")
     return {"target": str(target), "random_head": str(random_head), "constant": str(constant),
             "agreeing_head": str(agreeing_head)}
+
+
+SPEC_MODES = {
+    "draft_model": lambda draft, head: {"method": "draft_model", "model": draft},
+    "ssd": lambda draft, head: {"method": "ssd", "model": draft, "fallback": "jit"},
+    "ngram": lambda draft, head: {"method": "ngram"},
+    "eagle3": lambda draft, head: {"method": "eagle3", "model": head},
+    "ssd-eagle3": lambda draft, head: {"method": "ssd", "model": head, "fallback": "jit"},
+}
+"""Every speculative mode's speculative_config, given a draft model and an EAGLE-3 head (see make_mode_models)."""
+
+
+def make_mode_models(checkpoint_factory, root: Path) -> tuple[str, str, str]:
+    """(target, draft, head) for tests of a sampling option in every mode (SPEC_MODES): the default test target,
+    a draft that is its perturbed copy (partial acceptance) and a random EAGLE-3 head."""
+    target = checkpoint_factory()
+    draft = make_perturbed_draft(target, root / "draft", sigma=0.3)
+    head = make_eagle3_head(root / "head", vocab_size=VOCAB, target_hidden_size=64, hidden_size=64,
+                            feature_layers=LAYERS, seed=3)
+    return str(target), str(draft), str(head)

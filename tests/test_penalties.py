@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from eagle3_utils import LAYERS, make_eagle3_head
-from ssd_utils import chi_square_gof, exact_joint, make_perturbed_draft
+from eagle3_utils import SPEC_MODES, make_mode_models
+from ssd_utils import chi_square_gof, exact_joint
 
 from ssd import LLM, SamplingParams
 from ssd.sample.penalties import PenaltyRow, apply_penalties
@@ -100,24 +100,10 @@ def test_plain_decoding_penalises_like_transformers_logits(checkpoint_factory):
 
 @pytest.fixture(scope="module")
 def models(checkpoint_factory, tmp_path_factory):
-    target = checkpoint_factory()
-    root = tmp_path_factory.mktemp("penalties")
-    draft = make_perturbed_draft(target, root / "draft", sigma=0.3)
-    head = make_eagle3_head(root / "head", vocab_size=512, target_hidden_size=64, hidden_size=64,
-                            feature_layers=LAYERS, seed=3)
-    return str(target), str(draft), str(head)
+    return make_mode_models(checkpoint_factory, tmp_path_factory.mktemp("penalties"))
 
 
-SPEC = {
-    "draft_model": lambda draft, head: {"method": "draft_model", "model": draft},
-    "ssd": lambda draft, head: {"method": "ssd", "model": draft, "fallback": "jit"},
-    "ngram": lambda draft, head: {"method": "ngram"},
-    "eagle3": lambda draft, head: {"method": "eagle3", "model": head},
-    "ssd-eagle3": lambda draft, head: {"method": "ssd", "model": head, "fallback": "jit"},
-}
-
-
-@pytest.mark.parametrize("mode", list(SPEC))
+@pytest.mark.parametrize("mode", list(SPEC_MODES))
 def test_greedy_with_penalties_equals_plain_decoding_in_every_mode(models, mode):
     target, draft, head = models
     params = [_greedy(**PENALISED), _greedy(repetition_penalty=0.7), _greedy(presence_penalty=-1.0, min_p=0.5)]
@@ -125,7 +111,7 @@ def test_greedy_with_penalties_equals_plain_decoding_in_every_mode(models, mode)
         expected = [o.token_ids for o in ar.generate(PROMPTS, params)]
         plain = [o.token_ids for o in ar.generate(PROMPTS, [_greedy()] * len(PROMPTS))]
     assert expected != plain  # the penalties change the tokens
-    spec = {**SPEC[mode](draft, head), "num_speculative_tokens": 3, "adaptive_lookahead": False}
+    spec = {**SPEC_MODES[mode](draft, head), "num_speculative_tokens": 3, "adaptive_lookahead": False}
     with LLM(target, **ENGINE, max_num_seqs=4, speculative_config=spec) as llm:
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
         assert llm.stats.num_draft_tokens > 0

@@ -16,8 +16,8 @@ import re
 
 import pytest
 import torch
-from eagle3_utils import LAYERS, make_eagle3_head
-from ssd_utils import chi_square_gof, exact_joint, make_perturbed_draft
+from eagle3_utils import SPEC_MODES, make_mode_models
+from ssd_utils import chi_square_gof, exact_joint
 
 from ssd import LLM, SamplingParams
 from ssd.structured.bitmask import apply_bitmasks, unpack
@@ -190,21 +190,7 @@ def test_a_grammar_allowing_only_eos_overrides_min_tokens(checkpoint_factory):
 
 @pytest.fixture(scope="module")
 def models(checkpoint_factory, tmp_path_factory):
-    target = checkpoint_factory()
-    root = tmp_path_factory.mktemp("structured")
-    draft = make_perturbed_draft(target, root / "draft", sigma=0.3)
-    head = make_eagle3_head(root / "head", vocab_size=512, target_hidden_size=64, hidden_size=64,
-                            feature_layers=LAYERS, seed=3)
-    return str(target), str(draft), str(head)
-
-
-SPEC = {
-    "draft_model": lambda draft, head: {"method": "draft_model", "model": draft},
-    "ssd": lambda draft, head: {"method": "ssd", "model": draft, "fallback": "jit"},
-    "ngram": lambda draft, head: {"method": "ngram"},
-    "eagle3": lambda draft, head: {"method": "eagle3", "model": head},
-    "ssd-eagle3": lambda draft, head: {"method": "ssd", "model": head, "fallback": "jit"},
-}
+    return make_mode_models(checkpoint_factory, tmp_path_factory.mktemp("structured"))
 
 
 def _greedy_batch() -> tuple[list, list[SamplingParams]]:
@@ -229,11 +215,11 @@ def constrained_ar(models):
     return expected
 
 
-@pytest.mark.parametrize("mode", list(SPEC))
+@pytest.mark.parametrize("mode", list(SPEC_MODES))
 def test_greedy_constrained_tokens_equal_plain_decoding_in_every_mode(models, constrained_ar, mode):
     target, draft, head = models
     prompts, params = _greedy_batch()
-    spec = {**SPEC[mode](draft, head), "num_speculative_tokens": 3, "adaptive_lookahead": False}
+    spec = {**SPEC_MODES[mode](draft, head), "num_speculative_tokens": 3, "adaptive_lookahead": False}
     with LLM(target, **ENGINE, max_num_seqs=6, speculative_config=spec) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params)] == constrained_ar
         assert llm.stats.num_accepted_tokens > 0

@@ -11,6 +11,14 @@ import numpy as np
 
 from ssd.speculative.async_draft.wire.frames import Command, Frame, ProtocolError, Scalar, decode_frame, encode_frame
 
+# the dtypes of the messages' arrays
+I64 = np.dtype(np.int64)
+I32 = np.dtype(np.int32)
+U64 = np.dtype(np.uint64)
+U8 = np.dtype(np.uint8)
+F32 = np.dtype(np.float32)
+BOOL = np.dtype(np.bool_)
+
 
 def coerce_array(owner: str, name: str, value: object, dtype: np.dtype, ndim: int) -> np.ndarray:
     """`value` as an array of `dtype`: no copy when it already is one, no silently lossy conversion."""

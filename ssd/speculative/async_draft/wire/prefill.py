@@ -11,20 +11,18 @@ import numpy as np
 
 from ssd.speculative.async_draft.wire.frames import Command, ProtocolError
 from ssd.speculative.async_draft.wire.message_base import (
+    BOOL,
+    F32,
+    I32,
+    I64,
+    U8,
+    U64,
     WireMessage,
     check_ragged,
     check_rows,
     pack_ragged,
     split_ragged,
 )
-
-_I64 = np.dtype(np.int64)
-_I32 = np.dtype(np.int32)
-_U64 = np.dtype(np.uint64)
-_U8 = np.dtype(np.uint8)
-_F32 = np.dtype(np.float32)
-_BOOL = np.dtype(np.bool_)
-
 
 @dataclass(eq=False)
 class PrefillMsg(WireMessage):
@@ -44,19 +42,19 @@ class PrefillMsg(WireMessage):
 
     COMMAND: ClassVar[Command] = Command.PREFILL
     ARRAYS: ClassVar[dict[str, tuple[np.dtype, int]]] = {
-        "seq_ids": (_I64, 1),
-        "token_ids": (_I64, 1),
-        "lengths": (_I64, 1),
-        "temperature": (_F32, 1),
-        "top_k": (_I32, 1),
-        "top_p": (_F32, 1),
-        "greedy": (_BOOL, 1),
-        "seed": (_U64, 1),
-        "has_seed": (_BOOL, 1),
-        "first_round_drafts": (_I32, 1),
-        "num_prompt_tokens": (_I64, 1),
-        "constraints": (_U8, 1),
-        "constraint_lengths": (_I64, 1),
+        "seq_ids": (I64, 1),
+        "token_ids": (I64, 1),
+        "lengths": (I64, 1),
+        "temperature": (F32, 1),
+        "top_k": (I32, 1),
+        "top_p": (F32, 1),
+        "greedy": (BOOL, 1),
+        "seed": (U64, 1),
+        "has_seed": (BOOL, 1),
+        "first_round_drafts": (I32, 1),
+        "num_prompt_tokens": (I64, 1),
+        "constraints": (U8, 1),
+        "constraint_lengths": (I64, 1),
     }
 
     seq_ids: np.ndarray  # [B] int64

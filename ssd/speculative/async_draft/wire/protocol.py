@@ -30,6 +30,12 @@ from ssd.speculative.async_draft.wire.frames import (  # noqa: F401 - re-exporte
     encode_frame,
 )
 from ssd.speculative.async_draft.wire.message_base import (  # noqa: F401 - re-exported: this module's API
+    BOOL,
+    F32,
+    I32,
+    I64,
+    U8,
+    U64,
     WireMessage,
     check_float,
     check_int,
@@ -56,14 +62,6 @@ def encode_fallbacks(fallbacks: Sequence[Fallback | None]) -> np.ndarray:
     return np.array([FALLBACK_CODES[f] for f in fallbacks], dtype=np.uint8)
 
 
-_I64 = np.dtype(np.int64)
-_I32 = np.dtype(np.int32)
-_U64 = np.dtype(np.uint64)
-_U8 = np.dtype(np.uint8)
-_F32 = np.dtype(np.float32)
-_BOOL = np.dtype(np.bool_)
-
-
 @dataclass(eq=False)
 class SpeculateMsg(WireMessage):
     """One decode round: per row, the committed tokens the worker has not seen and last round's outcome.
@@ -77,15 +75,15 @@ class SpeculateMsg(WireMessage):
 
     COMMAND: ClassVar[Command] = Command.SPECULATE
     ARRAYS: ClassVar[dict[str, tuple[np.dtype, int]]] = {
-        "seq_ids": (_I64, 1),
-        "new_token_ids": (_I64, 1),
-        "new_lengths": (_I64, 1),
-        "num_accepted": (_I64, 1),
-        "num_drafts": (_I32, 1),
-        "tree_depth": (_I32, 1),
-        "feature_start": (_I64, 1),
-        "feature_lengths": (_I64, 1),
-        "features": (_F32, 2),
+        "seq_ids": (I64, 1),
+        "new_token_ids": (I64, 1),
+        "new_lengths": (I64, 1),
+        "num_accepted": (I64, 1),
+        "num_drafts": (I32, 1),
+        "tree_depth": (I32, 1),
+        "feature_start": (I64, 1),
+        "feature_lengths": (I64, 1),
+        "features": (F32, 2),
     }
 
     round_id: int
@@ -177,13 +175,13 @@ class SpeculationMsg(WireMessage):
 
     COMMAND: ClassVar[Command] = Command.SPECULATION
     ARRAYS: ClassVar[dict[str, tuple[np.dtype, int]]] = {
-        "draft_tokens": (_I64, 2),
-        "hit": (_BOOL, 1),
-        "fallback": (_U8, 1),
-        "prob_rows": (_I32, 1),
-        "probs": (_F32, 3),
-        "copied": (_BOOL, 2),
-        "num_drafts": (_I32, 1),
+        "draft_tokens": (I64, 2),
+        "hit": (BOOL, 1),
+        "fallback": (U8, 1),
+        "prob_rows": (I32, 1),
+        "probs": (F32, 3),
+        "copied": (BOOL, 2),
+        "num_drafts": (I32, 1),
     }
     ZERO_COPY: ClassVar[frozenset[str]] = frozenset({"probs"})
 
@@ -256,7 +254,7 @@ class ReleaseMsg(WireMessage):
     """Forget these sequences (finished, aborted or preempted) and free their draft KV."""
 
     COMMAND: ClassVar[Command] = Command.RELEASE
-    ARRAYS: ClassVar[dict[str, tuple[np.dtype, int]]] = {"seq_ids": (_I64, 1)}
+    ARRAYS: ClassVar[dict[str, tuple[np.dtype, int]]] = {"seq_ids": (I64, 1)}
 
     seq_ids: np.ndarray  # [B] int64
 
