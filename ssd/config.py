@@ -27,6 +27,7 @@ from ssd.options import (
     WeightFormat,
     is_int,
     option,
+    parse_draft_url,
 )
 
 DRAFT, RANK = Process.DRAFT_WORKER, Process.TARGET_RANK
@@ -112,6 +113,13 @@ class SpeculativeConfig:
     draft_threads: int | None = option(None, "torch threads of the draft (default: its cores)", processes=(DRAFT,))
     draft_timeout_s: float = option(60.0, "SSD: a draft worker silent this long is given up (decoding goes "
                                           "on without speculation)")
+    draft_url: str | None = option(
+        None, "SSD: tcp://HOST:PORT of a draft server (`ssd draft-serve`) instead of a local draft process; the "
+        "server chooses the draft model and its device, so leave model, draft_device, draft_threads, draft_dtype "
+        "and draft_weight_format unset (ssd/speculative/async_draft/remote/)")
+    draft_token: str | None = option(
+        None, "SSD with draft_url: the token shared with the draft server (default: the SSD_DRAFT_TOKEN "
+        "environment variable, which keeps it off the command line)")
 
     @classmethod
     def from_any(cls, value: "SpeculativeConfig | dict[str, Any] | None") -> "SpeculativeConfig | None":
@@ -132,6 +140,8 @@ class SpeculativeConfig:
                 raise ValueError("method 'ngram' drafts with prompt lookup alone; leave 'model' unset")
             if not self.prompt_lookup:
                 raise ValueError("method 'ngram' drafts with prompt lookup only; it needs prompt_lookup=True")
+        elif self.draft_url is not None:
+            self._check_remote()
         elif not self.model:
             raise ValueError("speculative_config needs 'model': the path of the draft checkpoint")
         if self.method is SpecMethod.EAGLE3:
@@ -168,6 +178,23 @@ class SpeculativeConfig:
         if self.draft_dtype is not None:
             self.draft_dtype = Dtype.parse(self.draft_dtype, "draft_dtype")
         self.draft_weight_format = WeightFormat.parse(self.draft_weight_format, "draft_weight_format")
+
+    def _check_remote(self) -> None:
+        if self.method is not SpecMethod.SSD:
+            raise ValueError(f"draft_url is a remote SSD draft; it needs method 'ssd', not {self.method.value!r}")
+        parse_draft_url(self.draft_url)
+        owned = [name for name in ("model", "draft_device", "draft_threads", "draft_dtype")
+                 if getattr(self, name) is not None]
+        if WeightFormat.parse(self.draft_weight_format, "draft_weight_format") is not WeightFormat.AUTO:
+            owned.append("draft_weight_format")
+        if owned:
+            raise ValueError(f"with draft_url the draft server chooses {', '.join(owned)} (ssd draft-serve's "
+                             "flags); leave them unset here")
+
+    @property
+    def remote(self) -> bool:
+        """The draft runs on a draft server, not in a local process."""
+        return self.draft_url is not None
 
     @property
     def lookup(self) -> LookupConfig:

@@ -22,6 +22,7 @@ import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
+from urllib.parse import urlsplit
 
 
 class _Choice(str, enum.Enum):
@@ -279,3 +280,17 @@ def option_help(config_class: type, name: str) -> str:
 def options_for(config: Any, process: Process) -> dict[str, Any]:
     """The values of ``config``'s options that ``process`` reads, by field name."""
     return {f.name: getattr(config, f.name) for f, info in option_fields(type(config)) if process in info.processes}
+
+
+def parse_draft_url(url: str) -> tuple[str, int]:
+    """``tcp://HOST:PORT`` -> (host, port); a clear ValueError for anything else."""
+    parts = urlsplit(url)
+    if parts.scheme != "tcp" or not parts.hostname or parts.path not in ("", "/") or parts.query:
+        raise ValueError(f"draft_url must look like tcp://HOST:PORT, got {url!r}")
+    try:
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"draft_url {url!r}: {exc}") from None
+    if port is None or port == 0:
+        raise ValueError(f"draft_url {url!r} needs a port")
+    return parts.hostname, port

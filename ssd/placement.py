@@ -23,7 +23,8 @@ from ssd.runtime.model_runner import GraphOptions, ModelRunner
 def plan_engine_layout(config: EngineConfig) -> ProcessLayout:
     """Cores/devices of the target ranks and of an SSD draft process on CPU."""
     spec = config.speculative_config
-    draft_on_cpu = spec is not None and spec.method == "ssd" and (spec.draft_device or config.device) == "cpu"
+    draft_on_cpu = (spec is not None and spec.method == "ssd" and not spec.remote
+                    and (spec.draft_device or config.device) == "cpu")
     return plan_layout(
         config.device,
         config.tensor_parallel_size,

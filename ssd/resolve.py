@@ -26,7 +26,9 @@ def resolve_config(config: EngineConfig) -> EngineConfig:
                                           explicit_dtype=config.dtype != Dtype.AUTO,
                                           stored_blocks=stores_blocks(config.model))
     spec = config.spec
-    if spec is not None:
+    if spec is not None and spec.remote:  # the draft server resolves the draft's dtype and format for its device
+        spec = replace(spec, filler_padding=resolve_filler_padding(spec.filler_padding, config.device))
+    elif spec is not None:
         draft_device = spec.draft_device or config.device
         draft_dtype = resolve_dtype(spec.draft_dtype or config.dtype, draft_device)
         spec = replace(

@@ -16,6 +16,7 @@ from ssd.speculative.async_draft.wire.protocol import (
     FALLBACK_CODES,
     PrefillMsg,
     ProtocolError,
+    HelloMsg,
     ReadyMsg,
     ReleaseMsg,
     ShutdownMsg,
@@ -232,6 +233,8 @@ def test_small_messages_round_trip():
     ready = decode_message(ReadyMsg(info=info).pack())
     assert isinstance(ready, ReadyMsg) and ready.info == info
     assert decode_message(ReadyMsg().pack()).info == {}
+    hello = decode_message(HelloMsg('{"seed": 3, "name": "ünï"}').pack())
+    assert isinstance(hello, HelloMsg) and hello.settings == '{"seed": 3, "name": "ünï"}'
     error = decode_message(ErrorMsg("draft worker failed: ünïcode ✓", traceback="Traceback...").pack())
     assert isinstance(error, ErrorMsg)
     assert error.message == "draft worker failed: ünïcode ✓" and error.traceback == "Traceback..."
@@ -240,7 +243,7 @@ def test_small_messages_round_trip():
 def test_every_command_has_a_message_type():
     samples = [
         _prefill(), SpeculateMsg.from_lists(0, [1], [[2]], [0], [1]), _speculation(), ReleaseMsg([1]),
-        ShutdownMsg(), ReadyMsg(), ErrorMsg("x"),
+        ShutdownMsg(), HelloMsg('{"a": 1}'), ReadyMsg(), ErrorMsg("x"),
     ]
     commands = [decode_frame(m.pack()).command for m in samples]
     assert sorted(commands) == sorted(Command)

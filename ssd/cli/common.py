@@ -53,7 +53,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     asks for it."""
     kwargs = options_from_args(args, EngineConfig)
     kwargs["model"] = kwargs["model"] or default_model()
-    if args.draft or args.method is SpecMethod.NGRAM:
+    if args.draft or args.draft_url or args.method is SpecMethod.NGRAM:
         kwargs["speculative_config"] = options_from_args(args, SpeculativeConfig)
     return kwargs
 

@@ -1,4 +1,4 @@
-"""``ssd`` command: generate, fetch, serve, chat."""
+"""``ssd`` command: generate, fetch, serve, chat, draft-serve."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 import time
 
 from ssd.cli.chat import add_chat_args, cmd_chat
+from ssd.cli.draft_serve import add_draft_serve_args, cmd_draft_serve
 from ssd.cli.common import add_engine_args, engine_kwargs, sampling_from_args, serve_as_torchrun_worker
 from ssd.cli.serve import add_serve_args, cmd_serve
 
@@ -129,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive streaming chat (in-process engine or --url of a server)")
     add_chat_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    draft = sub.add_parser("draft-serve", help="run SSD's draft as a server that engines elsewhere connect to "
+                                               "(speculative_config draft_url)")
+    add_draft_serve_args(draft)
+    draft.set_defaults(func=cmd_draft_serve)
     return parser
 
 

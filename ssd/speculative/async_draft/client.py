@@ -1,4 +1,4 @@
-"""Target-side SSD proposer: talks to the draft worker process and survives its failure.
+"""Target-side SSD proposer: talks to the draft worker (a local process or a draft server) and survives its failure.
 
 Each round it sends the outcome of the previous verification (k and the newly committed tokens) and gets
 the next speculation back, from the worker's cache on a hit or from the fallback on a miss. If the worker
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing as mp
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -21,7 +21,8 @@ from ssd.core.sequence import Sequence
 from ssd.options import Fallback
 from ssd.speculative.async_draft.planning.fallback_policy import FallbackPolicy
 from ssd.speculative.async_draft.wire import protocol as wire
-from ssd.speculative.async_draft.worker import WorkerConfig, run_draft_worker
+from ssd.speculative.async_draft.link import DraftLink, LocalDraftLink
+from ssd.speculative.async_draft.worker import WorkerConfig
 from ssd.speculative.proposal import DraftStatistics, Proposal, ProposalRequest, VerifiedRound
 from ssd.speculative.target_features import TargetFeatureLog, head_can_draft
 
@@ -41,11 +42,13 @@ class SSDProposer:
         start_timeout_s: float = 300.0,
         build_first_round: bool = False,
         feature_layers: tuple[int, ...] | None = None,
+        open_link: Callable[[], DraftLink] | None = None,
     ) -> None:
         """``build_first_round``: the engine's prompt step emits its token without drafts, so the worker can
         build each new sequence's first-round cache while the target computes the prompt. ``feature_layers``: the
         worker runs an EAGLE-3 head, which reads the target's hidden states entering these layers; each round
-        sends the features of the positions the target computed since the last."""
+        sends the features of the positions the target computed since the last. ``open_link``: reaches the draft
+        (default: spawns a local worker process with ``config``)."""
         if feature_layers is not None and build_first_round:
             raise ValueError("an EAGLE-3 head cannot build a first round: it needs the prompt's features")
         self.config = config
@@ -66,12 +69,12 @@ class SSDProposer:
         self._fallback = FallbackPolicy(fallback)
         self._round: tuple[int, float] | None = None  # (batch size, proposal requested at) of the open round
         self._probs_buffer: np.ndarray | None = None
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe(duplex=True)
-        self._process = ctx.Process(target=run_draft_worker, args=(child, config), name="ssd-draft", daemon=True)
-        self._process.start()
-        child.close()
+        self._link: DraftLink | None = None
         try:
+            try:
+                self._link = (open_link or (lambda: LocalDraftLink(config)))()
+            except (OSError, ValueError) as exc:  # refused, unreachable, not authenticated
+                raise DraftWorkerError(f"cannot reach the draft: {exc}") from exc
             reply = self._receive(start_timeout_s)
             if isinstance(reply, wire.ErrorMsg):
                 raise DraftWorkerError(reply.message)
@@ -80,22 +83,24 @@ class SSDProposer:
 
     # ------------------------------------------------------------------ transport
     def _receive(self, timeout: float):
+        assert self._link is not None
         try:
-            if not self._conn.poll(timeout):
-                raise DraftWorkerError(f"draft worker did not answer within {timeout:.1f} s")
-            return wire.decode_message(self._conn.recv_bytes())
+            if not self._link.conn.poll(timeout):
+                raise DraftWorkerError(f"{self._link.name} did not answer within {timeout:.1f} s")
+            return wire.decode_message(self._link.conn.recv_bytes())
         except (EOFError, OSError, ValueError) as exc:
-            raise DraftWorkerError(f"lost the draft worker: {exc!r}") from exc
+            raise DraftWorkerError(f"lost the {self._link.name}: {exc!r}") from exc
 
     def _send(self, msg) -> None:
+        assert self._link is not None
         try:
-            self._conn.send_bytes(msg.pack())
+            self._link.conn.send_bytes(msg.pack())
         except (OSError, ValueError) as exc:
-            raise DraftWorkerError(f"lost the draft worker: {exc!r}") from exc
+            raise DraftWorkerError(f"lost the {self._link.name}: {exc!r}") from exc
 
     def _fail(self, reason: str) -> None:
         if self.available:
-            logger.error("SSD draft worker unavailable (%s); continuing without speculation", reason)
+            logger.error("SSD draft unavailable (%s); continuing without speculation", reason)
         self.available = False
         self.failure = reason
         self._stop_process(graceful=False)
@@ -243,9 +248,9 @@ class SSDProposer:
                 self._fail(str(exc))
 
     def shutdown(self) -> None:
-        if self._process is None:
+        if self._link is None:
             return
-        if self.available and self._process.is_alive():
+        if self.available and self._link.alive():
             try:
                 self._send(wire.ShutdownMsg())
             except DraftWorkerError:
@@ -253,25 +258,15 @@ class SSDProposer:
         self._stop_process()
 
     def _stop_process(self, graceful: bool = True) -> None:
-        """``graceful``: the worker was told to shut down, so give it time to exit. A failed worker (dead,
-        hung, stopped) is killed at once: waiting would only stall the engine, and SIGTERM stays pending
-        on a stopped process."""
-        process, self._process = self._process, None
-        if process is None:
-            return
-        if graceful:
-            process.join(timeout=5)
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=5)
-        if process.is_alive():
-            process.kill()
-        process.join()
-        self._conn.close()
+        """``graceful``: the worker was told to shut down, so give it time to exit; else end it at once."""
+        link, self._link = self._link, None
+        if link is not None:
+            link.stop(graceful)
 
     @property
     def pid(self) -> int | None:
-        return None if self._process is None else self._process.pid
+        """The local worker process's id (None for a draft server, or once stopped)."""
+        return None if self._link is None else self._link.pid
 
 
 def _prefill_message(seqs: list[Sequence], first_round_drafts: list[int]) -> wire.PrefillMsg:

@@ -10,9 +10,12 @@ from ssd.models.eagle3 import is_eagle3_head
 from ssd.models.loader import load_arch_config
 from ssd.runtime.model_runner import GraphOptions
 from ssd.speculative.async_draft.client import SSDProposer
+from ssd.speculative.async_draft.link import RemoteDraftLink
+from ssd.speculative.async_draft.remote.channel import token_bytes
+from ssd.speculative.async_draft.remote.session import SessionSettings
 from ssd.speculative.async_draft.planning.fanout import max_fan_out_budget
 from ssd.speculative.async_draft.worker import WorkerConfig
-from ssd.speculative.draft_fit import check_draft_vocabulary, draft_num_blocks
+from ssd.speculative.draft_fit import check_draft_vocabulary, draft_num_blocks, vocabulary_digest
 from ssd.speculative.head_runner import head_feature_layers
 from ssd.speculative.proposal import TargetFacts
 from ssd.tokenizer import Tokenizer
@@ -24,9 +27,9 @@ def build_ssd_proposer(
     config: EngineConfig, target: TargetFacts, tokenizer: Tokenizer, draft_cpus: list[int] | None
 ) -> SSDProposer:
     spec = config.spec
+    if spec.remote:
+        return _remote_proposer(config, target, tokenizer)
     K = spec.num_speculative_tokens
-    # Validate everything the worker would reject before paying for a process start.
-    budget = max(max_fan_out_budget(f, K, spec.fan_out_budget) for f in spec.fan_outs)
     feature_layers = None
     if is_eagle3_head(spec.model):  # the draft is an EAGLE-3 head: the target sends it its features
         feature_layers = head_feature_layers(spec, load_arch_config(config.model))
@@ -34,10 +37,23 @@ def build_ssd_proposer(
     else:
         usable = check_draft_vocabulary(tokenizer, target, spec.model)
     device = spec.draft_device or config.device
+    worker = _worker_config(config, target, device, usable, draft_cpus)  # validates before the process starts
+    logger.info("starting SSD draft worker (device %s, cpus %s, K=%d)", device, draft_cpus, K)
+    # The prompt's step runs without drafts: build during it (not with a head, which needs the prompt's features).
+    first_round = not spec.prompt_step_speculation and feature_layers is None
+    return SSDProposer(worker, spec.fallback, spec.draft_timeout_s, build_first_round=first_round,
+                       feature_layers=feature_layers)
+
+
+def _worker_config(config: EngineConfig, target: TargetFacts, device: str, usable: int,
+                   draft_cpus: list[int] | None) -> WorkerConfig:
+    spec = config.spec
+    K = spec.num_speculative_tokens
+    budget = max(max_fan_out_budget(f, K, spec.fan_out_budget) for f in spec.fan_outs)
     # A tree step decodes `budget` branch tokens per sequence and reads up to K + 1 + K * budget scratch slots
     # beyond the sequence's own.
     scratch = K + 1 + K * budget
-    worker = WorkerConfig(
+    return WorkerConfig(
         engine_config=config,
         device=device,
         max_model_len=target.max_model_len,
@@ -50,8 +66,15 @@ def build_ssd_proposer(
             max_query_len=max(K + 1, budget), max_kv_len=target.max_model_len + scratch, compile=config.compile_model,
         ),
     )
-    logger.info("starting SSD draft worker (device %s, cpus %s, K=%d)", device, draft_cpus, K)
-    # The prompt's step runs without drafts: build during it (not with a head, which needs the prompt's features).
-    first_round = not spec.prompt_step_speculation and feature_layers is None
-    return SSDProposer(worker, spec.fallback, spec.draft_timeout_s, build_first_round=first_round,
-                       feature_layers=feature_layers)
+
+
+def _remote_proposer(config: EngineConfig, target: TargetFacts, tokenizer: Tokenizer) -> SSDProposer:
+    """SSD with its draft on a draft server: the session asks for the worker a local draft would get (the
+    server checks the vocabulary against its model and picks the draft's device, dtype and format)."""
+    spec = config.spec
+    token = token_bytes(spec.draft_token)  # refused here, before any connection, when there is none
+    worker = _worker_config(config, target, "remote", target.vocab_size, None)
+    settings = SessionSettings.for_worker(worker, len(tokenizer), vocabulary_digest(tokenizer))
+    logger.info("connecting to the SSD draft server at %s (K=%d)", spec.draft_url, spec.num_speculative_tokens)
+    return SSDProposer(worker, spec.fallback, spec.draft_timeout_s, build_first_round=not spec.prompt_step_speculation,
+                       open_link=lambda: RemoteDraftLink(spec.draft_url, token, settings, spec.draft_timeout_s))

@@ -1,7 +1,8 @@
 """Frames of the SSD wire protocol: how one message becomes bytes and back (the typed messages built on
 them live in :mod:`ssd.speculative.async_draft.wire.protocol`).
 
-Messages travel as one bytes buffer each over a `multiprocessing` Connection (`send_bytes` / `recv_bytes`).
+Messages travel as one bytes buffer each over a `multiprocessing` Connection (`send_bytes` / `recv_bytes`) to a
+local worker, or over the framed socket of ``remote/channel.py`` to a draft server.
 A SPECULATE / SPECULATION exchange happens on every decode round, so arrays are never pickled: a frame is
 a fixed prefix, a small JSON header (scalar fields, and the name/dtype/shape of each array in order) and
 the raw array bytes, each array starting at an 8-byte aligned offset. Offsets are derived from the header
@@ -33,8 +34,9 @@ from typing import Any, Union
 
 import numpy as np
 
-PROTOCOL_VERSION = 5  # 2: PING and PONG left the wire (nothing sent them); 3: SPECULATE's tree_depth;
-# 4: SPECULATE's target features (EAGLE-3 heads); 5: PREFILL's output constraints (structured outputs)
+PROTOCOL_VERSION = 6  # 2: PING and PONG left the wire (nothing sent them); 3: SPECULATE's tree_depth;
+# 4: SPECULATE's target features (EAGLE-3 heads); 5: PREFILL's output constraints (structured outputs);
+# 6: HELLO (a remote draft server's session settings)
 _MAGIC = b"SSDw"
 _PREFIX = struct.Struct("<4sHHI")  # magic, version, command, header length
 _ALIGN = 8
@@ -54,6 +56,7 @@ class Command(enum.IntEnum):
     SPECULATE = 2
     RELEASE = 3
     SHUTDOWN = 4
+    HELLO = 5
     READY = 16
     SPECULATION = 17
     ERROR = 18

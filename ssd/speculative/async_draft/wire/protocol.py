@@ -265,6 +265,19 @@ class ShutdownMsg(WireMessage):
 
 
 @dataclass(eq=False)
+class HelloMsg(WireMessage):
+    """An engine's first message to a remote draft server (after authentication): the session's settings as
+    JSON (``remote/session.py: SessionSettings``); the server answers READY or ERROR."""
+
+    COMMAND: ClassVar[Command] = Command.HELLO
+    settings: str = "{}"
+
+    def _validate(self) -> None:
+        if not isinstance(self.settings, str):
+            raise ProtocolError("HelloMsg.settings must be a JSON string")
+
+
+@dataclass(eq=False)
 class ReadyMsg(WireMessage):
     """The worker has started and serves requests (its first message); `info` is free-form."""
 
@@ -297,11 +310,11 @@ class ErrorMsg(WireMessage):
             raise ProtocolError("ErrorMsg.message and ErrorMsg.traceback must be strings")
 
 
-Message = Union[PrefillMsg, SpeculateMsg, SpeculationMsg, ReleaseMsg, ShutdownMsg, ReadyMsg, ErrorMsg]
+Message = Union[PrefillMsg, SpeculateMsg, SpeculationMsg, ReleaseMsg, ShutdownMsg, HelloMsg, ReadyMsg, ErrorMsg]
 
 _MESSAGE_TYPES: dict[Command, type[WireMessage]] = {
     cls.COMMAND: cls
-    for cls in (PrefillMsg, SpeculateMsg, SpeculationMsg, ReleaseMsg, ShutdownMsg, ReadyMsg, ErrorMsg)
+    for cls in (PrefillMsg, SpeculateMsg, SpeculationMsg, ReleaseMsg, ShutdownMsg, HelloMsg, ReadyMsg, ErrorMsg)
 }
 
 

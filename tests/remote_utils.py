@@ -1,0 +1,50 @@
+"""A draft server (``ssd draft-serve``'s) in a child process for tests: started on a free loopback port."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import signal
+from pathlib import Path
+
+
+def _serve(model: str, token: bytes, conn, handshake_timeout_s: float) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s draft-server %(levelname)s %(name)s: %(message)s")
+    from ssd.speculative.async_draft.remote.server import DraftServer, ServerOptions, describe_draft
+
+    server = DraftServer(describe_draft(model, threads=1),
+                         ServerOptions(token=token, handshake_timeout_s=handshake_timeout_s))
+    signal.signal(signal.SIGTERM, lambda *_: server.shutdown())
+    conn.send(server.url)
+    conn.close()
+    server.serve_forever()
+
+
+class ServerProcess:
+    """``ssd draft-serve`` for ``model`` in a child process; ``url`` once it listens."""
+
+    def __init__(self, model: Path, token: bytes, handshake_timeout_s: float = 10.0) -> None:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=_serve, args=(str(model), token, child, handshake_timeout_s),
+                                   name="ssd-draft-server", daemon=True)
+        self.process.start()
+        child.close()
+        if not parent.poll(120):
+            self.kill()
+            raise RuntimeError("the draft server did not start within 120 s")
+        self.url: str = parent.recv()
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM (a graceful shutdown); the exit code."""
+        if self.process.is_alive():
+            os.kill(self.process.pid, signal.SIGTERM)
+        self.process.join(timeout)
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            os.kill(self.process.pid, signal.SIGCONT)  # a stopped process must run to die
+            self.process.kill()
+        self.process.join(10)

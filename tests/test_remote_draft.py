@@ -1,0 +1,261 @@
+"""SSD with its draft on a draft server (``ssd draft-serve``) over loopback TCP: exact greedy tokens, and every
+fault (server killed, stalled, busy, wrong token, foreign protocol, unfit vocabulary) leaves the engine decoding
+on with the same tokens, the reason logged once."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from remote_utils import ServerProcess
+from ssd import LLM, SamplingParams
+from ssd.speculative.async_draft.remote.channel import (
+    AuthenticationError,
+    SocketChannel,
+    authenticate,
+    connect,
+)
+from ssd.options import parse_draft_url
+from ssd.speculative.async_draft.remote.session import SessionSettings
+from ssd.speculative.async_draft.wire import protocol as wire
+from ssd_utils import make_perturbed_draft
+
+BASE = dict(dtype="float32", block_size=16, max_model_len=160, seed=0, kv_cache_memory="16MiB")
+TOKEN = b"test-token-" + os.urandom(8).hex().encode()
+UNAVAILABLE = "SSD draft unavailable"
+
+
+def _prompts(n: int = 8) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(99)
+    return [torch.randint(3, 500, (int(length),), generator=gen).tolist() for length in (1, 5, 17, 30, 3, 9, 40, 12)[:n]]
+
+
+PROMPTS = _prompts()
+GREEDY = [SamplingParams(temperature=0.0, max_tokens=16 + 3 * i, ignore_eos=True) for i in range(len(PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoint_factory, tmp_path_factory):
+    target = checkpoint_factory()
+    draft = make_perturbed_draft(target, tmp_path_factory.mktemp("remote") / "draft", 0.04)
+    with LLM(str(target), **BASE) as ar:
+        expected = [o.token_ids for o in ar.generate(PROMPTS, GREEDY)]
+    return target, draft, expected
+
+
+@pytest.fixture(scope="module")
+def server(pair):
+    proc = ServerProcess(pair[1], TOKEN)
+    yield proc
+    assert proc.stop() == 0  # a graceful shutdown: SIGTERM ends the server cleanly
+    assert not proc.process.is_alive()
+
+
+def _remote(target: Path, url: str, token: bytes = TOKEN, **spec) -> LLM:
+    return LLM(str(target), max_num_seqs=8, **BASE,
+               speculative_config={"method": "ssd", "draft_url": url, "draft_token": token.decode(), **spec})
+
+
+def _generate_exact(llm: LLM, expected: list[list[int]]):
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outputs] == expected
+    return outputs
+
+
+def _unavailable_logs(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if UNAVAILABLE in r.getMessage()]
+
+
+# ------------------------------------------------------------------------------------------------ channel
+
+
+def _channel_pair() -> tuple[SocketChannel, SocketChannel]:
+    a, b = socket.socketpair()
+    return SocketChannel(a), SocketChannel(b)
+
+
+def test_channel_frames_messages_of_every_size():
+    left, right = _channel_pair()
+    messages = [b"", b"x", os.urandom(70_000), os.urandom(3 << 20)]
+    echo = threading.Thread(target=lambda: [right.send_bytes(right.recv_bytes()) for _ in messages])
+    echo.start()
+    for msg in messages:
+        left.send_bytes(msg)
+        assert left.poll(10)
+        assert bytes(left.recv_bytes()) == msg
+    echo.join()
+    right.close()
+    assert left.poll(1)  # the close is readable ...
+    with pytest.raises(EOFError):  # ... and reads as the end of the stream between messages
+        left.recv_bytes()
+    left.close()
+
+
+@pytest.mark.parametrize("server_token, client_token", [(b"same", b"same"), (b"one", b"other")])
+def test_authentication_is_mutual(server_token, client_token):
+    left, right = _channel_pair()
+    errors: list[Exception] = []
+
+    def serve() -> None:
+        try:
+            authenticate(right, server_token, server=True, timeout_s=5)
+        except AuthenticationError as exc:
+            errors.append(exc)
+            right.close()
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    if server_token == client_token:
+        authenticate(left, client_token, server=False, timeout_s=5)
+    else:
+        with pytest.raises(AuthenticationError, match="does not know the shared token"):
+            authenticate(left, client_token, server=False, timeout_s=5)
+    thread.join()
+    assert len(errors) == (server_token != client_token)
+    left.close()
+    right.close()
+
+
+def test_draft_urls_and_remote_options_are_checked(pair):
+    assert parse_draft_url("tcp://10.0.0.2:7000") == ("10.0.0.2", 7000)
+    assert parse_draft_url("tcp://[::1]:7000") == ("::1", 7000)
+    for bad in ("http://host:1", "tcp://host", "tcp://host:0", "host:7000", "tcp://host:7000/x"):
+        with pytest.raises(ValueError, match="draft_url"):
+            parse_draft_url(bad)
+    target, draft, _ = pair
+    url = "tcp://127.0.0.1:9"
+    with pytest.raises(ValueError, match="draft server chooses model"):
+        LLM(str(target), **BASE, speculative_config={"method": "ssd", "draft_url": url, "model": str(draft)})
+    with pytest.raises(ValueError, match="needs method 'ssd'"):
+        LLM(str(target), **BASE, speculative_config={"method": "draft_model", "draft_url": url})
+    env = os.environ.pop("SSD_DRAFT_TOKEN", None)
+    try:
+        with pytest.raises(ValueError, match="shared token"):
+            LLM(str(target), **BASE, speculative_config={"method": "ssd", "draft_url": url})
+    finally:
+        if env is not None:
+            os.environ["SSD_DRAFT_TOKEN"] = env
+
+
+def test_session_settings_round_trip():
+    settings = SessionSettings(engine_options={"block_size": 16, "seed": 3}, spec_options={"fan_out": "1,2,3"},
+                               max_model_len=160, num_blocks=90, target_vocab_size=512, target_tokens=500,
+                               vocab_digest="ab", graphs={"max_query_len": 5, "max_kv_len": 200, "compile": False,
+                                                          "capture": True})
+    assert SessionSettings.from_json(settings.to_json()) == settings
+    with pytest.raises(ValueError, match="malformed session settings"):
+        SessionSettings.from_json('{"engine_options": {}}')
+
+
+# ------------------------------------------------------------------------------------------------ exactness
+
+
+@pytest.mark.parametrize("spec", [dict(num_speculative_tokens=3, fallback="jit"),
+                                  dict(num_speculative_tokens=4, fallback="random", fan_out="auto"),
+                                  dict(num_speculative_tokens=2, prompt_step_speculation=True)],
+                         ids=["k3-jit", "k4-random-auto", "k2-prompt-step"])
+def test_remote_draft_greedy_equals_ar(pair, server, spec, caplog):
+    target, _, expected = pair
+    with _remote(target, server.url, **spec) as llm:
+        outputs = _generate_exact(llm, expected)
+        assert llm.engine.proposer.available and llm.engine.proposer.pid is None
+        stats = llm.stats
+        assert stats.cache_lookups > 0 and 0 < stats.cache_hits <= stats.cache_lookups
+        assert stats.num_accepted_tokens > 0 and stats.draft_builds > 0
+        assert sum(o.spec_stats.num_drafts for o in outputs) > 0
+        one = llm.generate([PROMPTS[3]], [GREEDY[3]])  # batch 1
+        assert one[0].token_ids == expected[3]
+    assert not _unavailable_logs(caplog)
+
+
+def test_sessions_follow_one_another_and_a_busy_server_refuses_clearly(pair, server, caplog):
+    """One engine at a time: a second engine connecting during a session is refused with a reason and decodes
+    plainly with the same tokens; once the first shuts down, the server serves the next."""
+    target, _, expected = pair
+    with _remote(target, server.url) as first:
+        with _remote(target, server.url) as second:
+            assert not second.engine.proposer.available
+            assert "busy" in second.engine.proposer.failure
+            _generate_exact(second, expected)
+        _generate_exact(first, expected)
+        assert first.engine.proposer.available
+    assert len(_unavailable_logs(caplog)) == 1
+    with _remote(target, server.url) as third:
+        _generate_exact(third, expected)
+        assert third.engine.proposer.available and third.stats.cache_hits > 0
+
+
+def test_wrong_token_is_refused_before_any_message(pair, server, caplog):
+    target, _, expected = pair
+    with _remote(target, server.url, token=b"not-the-token") as llm:
+        assert not llm.engine.proposer.available
+        assert "token" in llm.engine.proposer.failure or "closed" in llm.engine.proposer.failure
+        _generate_exact(llm, expected)
+        assert llm.stats.cache_lookups == 0
+    assert len(_unavailable_logs(caplog)) == 1
+
+
+def test_foreign_protocol_version_is_refused_with_the_reason(server):
+    channel = connect(server.url, TOKEN, timeout_s=10)
+    hello = bytearray(wire.HelloMsg("{}").pack())
+    hello[4:6] = (wire.PROTOCOL_VERSION + 1).to_bytes(2, "little")  # the frame's version field
+    channel.send_bytes(bytes(hello))
+    reply = wire.decode_message(channel.recv_bytes())
+    assert isinstance(reply, wire.ErrorMsg)
+    assert f"protocol version {wire.PROTOCOL_VERSION + 1} is not supported" in reply.message
+    channel.close()
+
+
+def test_a_target_with_another_vocabulary_is_refused(checkpoint_factory, server):
+    other = checkpoint_factory(vocab_size=259)
+    prompts = [[5, 6, 7], [9, 10]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    with LLM(str(other), **BASE) as ar:
+        expected = [o.token_ids for o in ar.generate(prompts, params)]
+    with _remote(other, server.url) as llm:
+        assert not llm.engine.proposer.available
+        assert "tokenizers differ" in llm.engine.proposer.failure
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+
+
+# ------------------------------------------------------------------------------------------------ faults
+
+
+@pytest.fixture
+def own_server(pair):
+    proc = ServerProcess(pair[1], TOKEN)
+    yield proc
+    proc.kill()
+
+
+def test_killed_server_mid_run_loses_no_request(pair, own_server, caplog):
+    target, _, expected = pair
+    caplog.set_level(logging.ERROR)
+    with _remote(target, own_server.url) as llm:
+        _generate_exact(llm, expected)
+        own_server.kill()
+        _generate_exact(llm, expected)
+        assert not llm.engine.proposer.available
+    assert len(_unavailable_logs(caplog)) == 1
+
+
+def test_stalled_server_is_given_up_after_the_timeout(pair, own_server, caplog):
+    target, _, expected = pair
+    with _remote(target, own_server.url, draft_timeout_s=2.0) as llm:
+        _generate_exact(llm, expected)
+        os.kill(own_server.process.pid, signal.SIGSTOP)
+        try:
+            _generate_exact(llm, expected)
+        finally:
+            os.kill(own_server.process.pid, signal.SIGCONT)
+        assert not llm.engine.proposer.available
+        assert "did not answer within 2.0 s" in llm.engine.proposer.failure
+    assert len(_unavailable_logs(caplog)) == 1
+    assert own_server.stop() == 0  # the server noticed the engine left and still shuts down cleanly
