@@ -110,6 +110,12 @@ class LLMEngine:
             self.stats.draft_builds = draft.builds
             self.stats.draft_builds_cut_short = draft.builds_cut_short
             self.stats.draft_feature_bytes = draft.feature_bytes
+            self.stats.draft_rounds = draft.rounds
+            self.stats.draft_reply_wait_s = draft.reply_wait_s
+            self.stats.draft_serve_s = draft.serve_s
+            self.stats.draft_bytes_sent = draft.bytes_sent
+            self.stats.draft_bytes_received = draft.bytes_received
+            self.stats.draft_link_rtt_s = draft.link_rtt_s
         return self.stats
 
     # ---------------------------------------------------------------- requests

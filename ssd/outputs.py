@@ -34,6 +34,12 @@ class SpecStats:
     draft_builds: int = 0  # SSD cache builds reported by the draft worker
     draft_builds_cut_short: int = 0  # builds stopped early (fewer tokens per branch): a request waiting or due
     draft_feature_bytes: int = 0  # SSD with an EAGLE-3 head: target features sent to the draft worker
+    draft_rounds: int = 0  # SSD requests answered by the draft (engine-wide; the timings below are theirs)
+    draft_reply_wait_s: float = 0.0  # from sending each request to its reply
+    draft_serve_s: float = 0.0  # the draft's own time serving them (reported by the worker)
+    draft_bytes_sent: int = 0  # every message to the draft
+    draft_bytes_received: int = 0  # every message from it
+    draft_link_rtt_s: float | None = None  # a draft server's network round trip, measured at the session's start
     verify_time_s: float = 0.0
     draft_critical_time_s: float = 0.0  # time the target waited for the draft
 
@@ -79,6 +85,8 @@ class SpecStats:
             elif isinstance(value, dict):
                 for key, v in value.items():
                     mine[key] = mine.get(key, 0) + v
+            elif value is None or mine is None:  # a measurement, not a count: keep the one that was taken
+                setattr(self, name, mine if value is None else value)
             else:
                 setattr(self, name, mine + value)
 
@@ -90,6 +98,12 @@ class SpecStats:
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per verification round (accepted + 1), vLLM's convention."""
         return self.num_emitted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    @property
+    def draft_link_time_s(self) -> float:
+        """Of the waits for the draft's replies, the part the draft did not spend serving: the link both ways
+        (a remote draft's network) and any build step a request queued behind."""
+        return max(0.0, self.draft_reply_wait_s - self.draft_serve_s)
 
     @property
     def cache_hit_rate(self) -> float:

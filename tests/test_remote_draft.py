@@ -169,6 +169,12 @@ def test_remote_draft_greedy_equals_ar(pair, server, spec, caplog):
         stats = llm.stats
         assert stats.cache_lookups > 0 and 0 < stats.cache_hits <= stats.cache_lookups
         assert stats.num_accepted_tokens > 0 and stats.draft_builds > 0
+        # per-round accounting: every answered request timed, the draft's serving a part of the wait
+        assert stats.draft_rounds > 0
+        assert 0 < stats.draft_serve_s < stats.draft_reply_wait_s
+        assert stats.draft_link_time_s == pytest.approx(stats.draft_reply_wait_s - stats.draft_serve_s)
+        assert stats.draft_bytes_sent > 0 and stats.draft_bytes_received > 0
+        assert stats.draft_link_rtt_s is not None and 0 <= stats.draft_link_rtt_s < 1.0
         assert sum(o.spec_stats.num_drafts for o in outputs) > 0
         one = llm.generate([PROMPTS[3]], [GREEDY[3]])  # batch 1
         assert one[0].token_ids == expected[3]

@@ -688,6 +688,11 @@ def _check_speculative_server(url: str, reference: Reference, method: str) -> No
     if method == "ssd":
         assert sum(u["speculative"]["cache_lookups"] for u in usages) > 0
         assert metric(after, "ssd:spec_decode_cache_hits_total") > 0
+        assert metric(after, "ssd:spec_decode_draft_rounds_total") > 0
+        assert 0 < metric(after, "ssd:spec_decode_draft_serve_seconds_total") < metric(
+            after, "ssd:spec_decode_draft_reply_wait_seconds_total")
+        assert metric(after, "ssd:spec_decode_draft_bytes_total", direction="received") > 0
+        assert not any(name.startswith("ssd:spec_decode_draft_link_rtt") for name in after)  # a local draft
     assert_all_blocks_free(after, method)
 
 

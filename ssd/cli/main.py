@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import replace
 
 from ssd.cli.chat import add_chat_args, cmd_chat
 from ssd.cli.draft_serve import add_draft_serve_args, cmd_draft_serve
@@ -34,12 +35,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         if args.warmup_tokens > 0:  # first calls pay one-time costs (kernel choice, allocation): not timed
             warmup = SamplingParams(temperature=params.temperature, max_tokens=args.warmup_tokens, ignore_eos=True)
             llm.generate([WARMUP_PROMPT], warmup)
+        before = replace(llm.engine.spec_stats)  # engine-wide counters (the draft's timings) before the timed run
         start = time.perf_counter()
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1)
         else:
             outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
         elapsed = time.perf_counter() - start
+        after = replace(llm.engine.spec_stats)
     finally:
         llm.shutdown()
     total_tokens = sum(len(o.token_ids) for o in outputs)
@@ -62,8 +65,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                         f"({s.num_accepted_copied_tokens / s.num_copied_tokens:.0%} accepted)")
         if s.cache_lookups:
             summary += f", SSD cache hit rate {s.cache_hit_rate:.1%}"
+        summary += _draft_link_summary(before, after)
     print(summary, file=sys.stderr)
     return 0
+
+
+def _draft_link_summary(before, after) -> str:
+    """SSD's per-round wait for the draft over the timed requests, split into the draft's serving and the rest."""
+    rounds = after.draft_rounds - before.draft_rounds
+    if rounds <= 0:
+        return ""
+    wait = (after.draft_reply_wait_s - before.draft_reply_wait_s) / rounds
+    serve = (after.draft_serve_s - before.draft_serve_s) / rounds
+    rtt = "" if after.draft_link_rtt_s is None else f"; draft server round trip {after.draft_link_rtt_s * 1e3:.2f} ms"
+    return (f"; draft reply {wait * 1e3:.2f} ms/round (serving {serve * 1e3:.2f}, link and queue "
+            f"{max(0.0, wait - serve) * 1e3:.2f}){rtt}")
 
 
 def _cmd_fetch(args: argparse.Namespace) -> int:

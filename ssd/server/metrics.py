@@ -227,9 +227,21 @@ class ServerMetrics:
             ("spec_decode_cache_hits_total", "SSD speculation cache hits.", [(b, spec.cache_hits)]),
             ("spec_decode_fallbacks_total", "SSD cache misses served by a fallback, by fallback kind.",
              [(b + (("kind", kind),), v) for kind, v in sorted(spec.fallbacks.items())]),
+            ("spec_decode_draft_rounds_total", "SSD requests the draft answered.", [(b, spec.draft_rounds)]),
+            ("spec_decode_draft_reply_wait_seconds_total", "SSD: time from each request to the draft's reply.",
+             [(b, spec.draft_reply_wait_s)]),
+            ("spec_decode_draft_serve_seconds_total", "SSD: the draft's own time serving those requests (the "
+             "rest of the wait is the link and any build step a request queued behind).", [(b, spec.draft_serve_s)]),
+            ("spec_decode_draft_bytes_total", "SSD: bytes of the messages to and from the draft.",
+             [(b + (("direction", "sent"),), spec.draft_bytes_sent),
+              (b + (("direction", "received"),), spec.draft_bytes_received)]),
         ]
         for name, help, samples in counters:
             lines += _family_lines(f"{p}{name}", "counter", help, samples)
+        if spec.draft_link_rtt_s is not None:
+            lines += _family_lines(f"{p}spec_decode_draft_link_rtt_seconds", "gauge",
+                                   "SSD: the draft server's network round trip, measured as its session started.",
+                                   [(b, spec.draft_link_rtt_s)])
         return lines
 
 

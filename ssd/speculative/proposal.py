@@ -90,6 +90,15 @@ class DraftStatistics:
     builds: int = 0  # cache builds with at least one branch
     builds_cut_short: int = 0  # of those, builds stopped early: the next request was waiting or due
     feature_bytes: int = 0  # SSD with an EAGLE-3 head: the target's features sent to the draft worker
+    # SSD rounds as the target saw them: the wait from sending a request to its reply, and the draft's own time
+    # serving it; the difference is the link (both directions, framing) and any build step the request queued
+    # behind. Bytes of every message each way.
+    rounds: int = 0
+    reply_wait_s: float = 0.0
+    serve_s: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    link_rtt_s: float | None = None  # a draft server's link: HELLO -> READY less the server's setup
 
 
 class Proposer(Protocol):

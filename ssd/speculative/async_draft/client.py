@@ -78,6 +78,9 @@ class SSDProposer:
             reply = self._receive(start_timeout_s)
             if isinstance(reply, wire.ErrorMsg):
                 raise DraftWorkerError(reply.message)
+            sent, setup_s = self._link.hello_sent_at, reply.info.get("setup_s")
+            if sent is not None and isinstance(setup_s, float):  # a session: HELLO -> READY less the server's work
+                self._statistics.link_rtt_s = max(0.0, time.perf_counter() - sent - setup_s)
         except DraftWorkerError as exc:
             self._fail(str(exc))
 
@@ -87,14 +90,18 @@ class SSDProposer:
         try:
             if not self._link.conn.poll(timeout):
                 raise DraftWorkerError(f"{self._link.name} did not answer within {timeout:.1f} s")
-            return wire.decode_message(self._link.conn.recv_bytes())
+            data = self._link.conn.recv_bytes()
+            self._statistics.bytes_received += len(data)
+            return wire.decode_message(data)
         except (EOFError, OSError, ValueError) as exc:
             raise DraftWorkerError(f"lost the {self._link.name}: {exc!r}") from exc
 
     def _send(self, msg) -> None:
         assert self._link is not None
         try:
-            self._link.conn.send_bytes(msg.pack())
+            data = msg.pack()
+            self._link.conn.send_bytes(data)
+            self._statistics.bytes_sent += len(data)
         except (OSError, ValueError) as exc:
             raise DraftWorkerError(f"lost the {self._link.name}: {exc!r}") from exc
 
@@ -149,8 +156,10 @@ class SSDProposer:
         try:
             msg = wire.SpeculateMsg.from_lists(round_id, *zip(*rows), target_features=features)
             msg.fallback = fallback
+            sent = time.perf_counter()
             self._send(msg)
             reply = self._receive(self.timeout_s)
+            waited = time.perf_counter() - sent
         except DraftWorkerError as exc:
             self._fail(str(exc))
             return self._empty(requests)
@@ -163,7 +172,7 @@ class SSDProposer:
             self._fail("draft worker answered with more rows or drafts than requested")
             return self._empty(requests)
         proposal = self._to_proposal(reply, requests)
-        self._account(proposal, reply)
+        self._account(proposal, reply, waited)
         return proposal
 
     def observe_target(self, computed: list[tuple[int, int, int]], features: torch.Tensor) -> None:
@@ -210,8 +219,11 @@ class SSDProposer:
         informative = [kind != Fallback.RANDOM for kind in fallbacks]
         return Proposal(tokens, probs, reply.num_drafts.tolist(), hits, fallbacks, copied, informative)
 
-    def _account(self, proposal: Proposal, reply) -> None:
+    def _account(self, proposal: Proposal, reply, waited: float) -> None:
         stats = self._statistics
+        stats.rounds += 1
+        stats.reply_wait_s += waited
+        stats.serve_s += reply.serve_s
         stats.build_time_s += reply.cache_build_s
         stats.build_branches += reply.cache_branches
         stats.builds += int(reply.cache_branches > 0)

@@ -6,6 +6,7 @@ link only starts and stops the other end."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 from typing import Protocol
 
 from ssd.speculative.async_draft.remote.channel import SocketChannel, connect
@@ -27,6 +28,7 @@ class Connection(Protocol):
 class DraftLink(Protocol):
     conn: Connection
     name: str  # how log lines name the other end
+    hello_sent_at: float | None  # a remote session: when HELLO left (READY reports the server's setup time)
 
     def alive(self) -> bool: ...
 
@@ -41,6 +43,7 @@ class LocalDraftLink:
     """The draft worker as a child process, reached through a pipe; it sends READY (or ERROR) once started."""
 
     name = "draft worker"
+    hello_sent_at = None
 
     def __init__(self, config: WorkerConfig) -> None:
         ctx = mp.get_context("spawn")
@@ -79,6 +82,7 @@ class RemoteDraftLink:
         self.name = f"draft server at {url}"
         self.conn: SocketChannel = connect(url, token, timeout_s)
         self.conn.settimeout(timeout_s)
+        self.hello_sent_at = time.perf_counter()
         self.conn.send_bytes(wire.HelloMsg(settings.to_json()).pack())
 
     def alive(self) -> bool:

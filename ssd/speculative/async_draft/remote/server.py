@@ -18,6 +18,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -165,6 +166,7 @@ class DraftServer:
         channel.settimeout(self.options.handshake_timeout_s)
         try:
             hello = wire.decode_message(channel.recv_bytes())
+            started = time.perf_counter()
             if not isinstance(hello, wire.HelloMsg):
                 raise ValueError(f"expected HELLO first, got {type(hello).__name__}")
             config = worker_config(SessionSettings.from_json(hello.settings), self.draft)
@@ -177,7 +179,9 @@ class DraftServer:
             _refuse(channel, f"draft server refused the session: {exc}")
             return None
         channel.settimeout(None)
-        channel.send_bytes(wire.ReadyMsg(info={"model": self.draft.model, "device": self.draft.device}).pack())
+        setup_s = time.perf_counter() - started  # the engine subtracts it from its wait: the link's round trip
+        channel.send_bytes(wire.ReadyMsg(info={"model": self.draft.model, "device": self.draft.device,
+                                               "setup_s": setup_s}).pack())
         spec = config.spec
         return DraftWorker(channel, engine, FanOutPlanner(spec),
                            BuildClock(channel.poll) if spec.interruptible_build else None)
