@@ -9,12 +9,12 @@ import signal
 from pathlib import Path
 
 
-def _serve(model: str, token: bytes, conn, handshake_timeout_s: float) -> None:
+def _serve(model: str, token: bytes, conn, handshake_timeout_s: float, max_seqs: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s draft-server %(levelname)s %(name)s: %(message)s")
     from ssd.speculative.async_draft.remote.server import DraftServer, ServerOptions, describe_draft
 
     server = DraftServer(describe_draft(model, threads=1),
-                         ServerOptions(token=token, handshake_timeout_s=handshake_timeout_s))
+                         ServerOptions(token=token, handshake_timeout_s=handshake_timeout_s, max_seqs=max_seqs))
     signal.signal(signal.SIGTERM, lambda *_: server.shutdown())
     conn.send(server.url)
     conn.close()
@@ -24,17 +24,30 @@ def _serve(model: str, token: bytes, conn, handshake_timeout_s: float) -> None:
 class ServerProcess:
     """``ssd draft-serve`` for ``model`` in a child process; ``url`` once it listens."""
 
-    def __init__(self, model: Path, token: bytes, handshake_timeout_s: float = 10.0) -> None:
+    def __init__(self, model: Path, token: bytes, handshake_timeout_s: float = 10.0, max_seqs: int = 16) -> None:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=_serve, args=(str(model), token, child, handshake_timeout_s),
-                                   name="ssd-draft-server", daemon=True)
+        self.process = ctx.Process(target=_serve, args=(str(model), token, child, handshake_timeout_s, max_seqs),
+                                   name="ssd-draft-server")  # not a daemon: it starts session processes
         self.process.start()
         child.close()
         if not parent.poll(120):
             self.kill()
             raise RuntimeError("the draft server did not start within 120 s")
         self.url: str = parent.recv()
+
+    def session_pids(self) -> list[int]:
+        """The server's session processes (its children)."""
+        pids = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    stat = Path(f"/proc/{entry}/stat").read_text()
+                except OSError:
+                    continue
+                if int(stat.rsplit(")", 1)[1].split()[1]) == self.process.pid:  # field 4: the parent's pid
+                    pids.append(int(entry))
+        return pids
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM (a graceful shutdown); the exit code."""

@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -147,7 +148,7 @@ def test_draft_urls_and_remote_options_are_checked(pair):
 def test_session_settings_round_trip():
     settings = SessionSettings(engine_options={"block_size": 16, "seed": 3}, spec_options={"fan_out": "1,2,3"},
                                max_model_len=160, num_blocks=90, target_vocab_size=512, target_tokens=500,
-                               vocab_digest="ab", graphs={"max_query_len": 5, "max_kv_len": 200, "compile": False,
+                               vocab_digest="ab", max_num_seqs=8, graphs={"max_query_len": 5, "max_kv_len": 200, "compile": False,
                                                           "capture": True})
     assert SessionSettings.from_json(settings.to_json()) == settings
     with pytest.raises(ValueError, match="malformed session settings"):
@@ -181,21 +182,27 @@ def test_remote_draft_greedy_equals_ar(pair, server, spec, caplog):
     assert not _unavailable_logs(caplog)
 
 
-def test_sessions_follow_one_another_and_a_busy_server_refuses_clearly(pair, server, caplog):
-    """One engine at a time: a second engine connecting during a session is refused with a reason and decodes
-    plainly with the same tokens; once the first shuts down, the server serves the next."""
+def test_engines_share_a_server_within_its_sequence_bound(pair, server, caplog):
+    """Two engines at once, each with its own session (sequences, draft KV, cache): both exact and both served
+    from their caches. A third would pass the server's bound of 16 sequences: refused with the reason, it
+    decodes plainly with the same tokens; once one engine leaves, the next is served."""
     target, _, expected = pair
-    with _remote(target, server.url) as first:
-        with _remote(target, server.url) as second:
-            assert not second.engine.proposer.available
-            assert "busy" in second.engine.proposer.failure
-            _generate_exact(second, expected)
-        _generate_exact(first, expected)
-        assert first.engine.proposer.available
+    with _remote(target, server.url) as first, _remote(target, server.url) as second:
+        with _remote(target, server.url) as third:
+            assert not third.engine.proposer.available
+            assert "draft server full: it serves at most 16 sequences, 16 are taken" in third.engine.proposer.failure
+            _generate_exact(third, expected)
+        threads = [threading.Thread(target=_generate_exact, args=(llm, expected)) for llm in (first, second)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for llm in (first, second):
+            assert llm.engine.proposer.available and llm.stats.cache_hits > 0
     assert len(_unavailable_logs(caplog)) == 1
-    with _remote(target, server.url) as third:
-        _generate_exact(third, expected)
-        assert third.engine.proposer.available and third.stats.cache_hits > 0
+    with _remote(target, server.url) as fourth:
+        _generate_exact(fourth, expected)
+        assert fourth.engine.proposer.available and fourth.stats.cache_hits > 0
 
 
 def test_wrong_token_is_refused_before_any_message(pair, server, caplog):
@@ -246,22 +253,37 @@ def test_killed_server_mid_run_loses_no_request(pair, own_server, caplog):
     caplog.set_level(logging.ERROR)
     with _remote(target, own_server.url) as llm:
         _generate_exact(llm, expected)
-        own_server.kill()
+        (session,) = own_server.session_pids()
+        own_server.kill()  # SIGKILL: the session's process follows its server within a second
+        deadline = time.monotonic() + 10
+        while _alive(session) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(session)
         _generate_exact(llm, expected)
         assert not llm.engine.proposer.available
     assert len(_unavailable_logs(caplog)) == 1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # not a zombie
 
 
 def test_stalled_server_is_given_up_after_the_timeout(pair, own_server, caplog):
     target, _, expected = pair
     with _remote(target, own_server.url, draft_timeout_s=2.0) as llm:
         _generate_exact(llm, expected)
-        os.kill(own_server.process.pid, signal.SIGSTOP)
+        (session,) = own_server.session_pids()
+        os.kill(session, signal.SIGSTOP)
         try:
             _generate_exact(llm, expected)
         finally:
-            os.kill(own_server.process.pid, signal.SIGCONT)
+            os.kill(session, signal.SIGCONT)
         assert not llm.engine.proposer.available
         assert "did not answer within 2.0 s" in llm.engine.proposer.failure
     assert len(_unavailable_logs(caplog)) == 1
-    assert own_server.stop() == 0  # the server noticed the engine left and still shuts down cleanly
+    assert own_server.stop() == 0  # the server shuts down cleanly, its sessions with it
+    assert not own_server.session_pids()

@@ -23,6 +23,9 @@ def add_draft_serve_args(parser: argparse.ArgumentParser) -> None:
                         help="the draft's dtype (default: auto for its device)")
     parser.add_argument("--weight-format", default=WeightFormat.AUTO.value, choices=WeightFormat.values(),
                         help="the draft's weight format (as ssd generate's --draft-weight-format)")
+    parser.add_argument("--max-seqs", type=int, default=64,
+                        help="sequences of all engines together: each engine's session reserves its max_num_seqs, "
+                             "and one that would pass this is refused (default 64)")
     parser.add_argument("--token", default=None,
                         help=f"the token engines must present (default: the {TOKEN_ENV} environment variable, "
                              "which keeps it out of the process list); required")
@@ -35,7 +38,8 @@ def cmd_draft_serve(args: argparse.Namespace) -> int:
     token = token_bytes(args.token)
     cpus = None if args.cpus is None else [int(c) for c in args.cpus.split(",") if c.strip()]
     draft = describe_draft(args.model, args.device, args.threads, args.dtype, args.weight_format)
-    server = DraftServer(draft, ServerOptions(token=token, host=args.host, port=args.port, cpus=cpus))
+    server = DraftServer(draft, ServerOptions(token=token, host=args.host, port=args.port, max_seqs=args.max_seqs,
+                                              cpus=cpus))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.shutdown())
     if args.port_file:

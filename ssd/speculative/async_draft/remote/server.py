@@ -1,21 +1,21 @@
 """``ssd draft-serve``: SSD's draft worker as a server that engines on other machines connect to.
 
-A session per engine connection: the peer authenticates with the shared token (``channel.authenticate``),
-sends HELLO with its settings (``session.SessionSettings``), and the server builds the draft engine those
-settings and its own model and hardware describe, answers READY, and runs the same :class:`DraftWorker` loop as
-a local worker process, over the socket. The session ends when the engine sends SHUTDOWN or its connection
-closes; the server then frees the draft's memory and waits for the next engine.
-
-One engine is served at a time for now: a connection that arrives during a session is authenticated and
-refused with a clear ERROR ("busy"); its engine decodes without speculation. A peer without the token is
-dropped before it can send a message, and logged.
+A session per engine connection: the peer authenticates with the shared token (``channel.authenticate``) and
+sends HELLO with its settings (``session.SessionSettings``); the server checks them against its draft (the
+vocabulary above all) and admits the session if the sequences it may run (its ``max_num_seqs``) fit the
+server's bound beside the other sessions', else refuses it with a clear ERROR. An admitted session runs in a
+process of its own (``run_session``): it builds the draft engine the settings and the server's model and
+hardware describe, answers READY, and runs the same :class:`DraftWorker` loop a local worker runs, over the
+socket. So several engines share one draft server, each with its own sequences, draft KV and speculation
+cache, and one session's failure touches no other. A session ends when its engine sends SHUTDOWN or its
+connection closes; a peer without the token is dropped before it can send a message, and logged.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
-import queue
 import socket
 import threading
 import time
@@ -29,7 +29,7 @@ from ssd.speculative.async_draft.planning.build_clock import BuildClock
 from ssd.speculative.async_draft.remote.channel import AuthenticationError, SocketChannel, authenticate, listen
 from ssd.speculative.async_draft.remote.session import ServerDraft, SessionSettings, worker_config
 from ssd.speculative.async_draft.wire import protocol as wire
-from ssd.speculative.async_draft.worker import DraftWorker, FanOutPlanner, build_draft_engine
+from ssd.speculative.async_draft.worker import DraftWorker, FanOutPlanner, WorkerConfig, build_draft_engine
 from ssd.speculative.draft_fit import vocabulary_digest
 from ssd.tokenizer import Tokenizer
 
@@ -38,12 +38,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ServerOptions:
-    """How the server listens and who it lets in (the draft itself: :class:`ServerDraft`)."""
+    """How the server listens, whom it lets in and how much it takes on (the draft itself: :class:`ServerDraft`)."""
 
     token: bytes
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port (DraftServer.address says which)
-    cpus: list[int] | None = None  # cores to run on (default: all this process may use)
+    max_seqs: int = 64  # sequences of all sessions together (each engine declares its max_num_seqs)
+    cpus: list[int] | None = None  # cores the sessions run on (default: all this process may use)
     handshake_timeout_s: float = 10.0  # authentication and HELLO must finish within this
 
 
@@ -60,26 +61,29 @@ def describe_draft(model: str, device: str = "cpu", threads: int | None = None, 
                        vocab_digest=vocabulary_digest(tokenizer), tokens=len(tokenizer))
 
 
+@dataclass
+class _Session:
+    process: mp.process.BaseProcess
+    peer: str
+    seqs: int  # sequences reserved for it (its engine's max_num_seqs)
+
+
 class DraftServer:
-    """Listens at construction (``address``); :meth:`serve_forever` serves sessions until :meth:`shutdown`."""
+    """Listens at construction (``address``); :meth:`serve_forever` admits sessions until :meth:`shutdown`."""
 
     def __init__(self, draft: ServerDraft, options: ServerOptions) -> None:
         if not options.token:
             raise ValueError("a draft server needs a shared token")
+        if options.max_seqs < 1:
+            raise ValueError(f"max_seqs must be at least 1, got {options.max_seqs}")
         self.draft, self.options = draft, options
-        if options.cpus and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, options.cpus)
-        threads = draft.threads or (len(options.cpus) if options.cpus else None)
-        if threads:
-            torch.set_num_threads(threads)
         self._listener = listen(options.host, options.port)
+        self._listener.settimeout(0.5)  # wakes the accept loop to reap finished sessions
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
-        self._pending: queue.Queue[SocketChannel] = queue.Queue()
         self._stopping = threading.Event()
-        self._busy = threading.Event()
-        self._session: SocketChannel | None = None
+        self._lock = threading.Lock()  # guards _sessions: handshakes admit from their own threads
+        self._sessions: list[_Session] = []
         self.sessions_served = 0
-        self._acceptor = threading.Thread(target=self._accept_loop, name="ssd-draft-accept", daemon=True)
 
     @property
     def url(self) -> str:
@@ -87,29 +91,34 @@ class DraftServer:
         return f"tcp://{host}:{port}"
 
     def serve_forever(self) -> None:
-        logger.info("draft server for %s on %s serving at %s", self.draft.model, self.draft.device, self.url)
-        self._acceptor.start()
+        logger.info("draft server for %s on %s serving at %s (at most %d sequences)", self.draft.model,
+                    self.draft.device, self.url, self.options.max_seqs)
         try:
             while not self._stopping.is_set():
+                self._reap()
                 try:
-                    channel = self._pending.get(timeout=0.2)
-                except queue.Empty:
+                    sock, _ = self._listener.accept()
+                except TimeoutError:
                     continue
-                self._serve_session(channel)
+                except OSError:
+                    break  # the listener closed: shutting down
+                sock.settimeout(None)
+                threading.Thread(target=self._handshake, args=(sock,), name="ssd-draft-handshake",
+                                 daemon=True).start()
         finally:
             self._close_listener()
-            self._acceptor.join(timeout=5)
-            while not self._pending.empty():
-                self._pending.get_nowait().close()
+            self._stop_sessions()
 
     def shutdown(self) -> None:
-        """Stop accepting and end the current session (its engine decodes on without speculation); safe from
-        another thread or a signal handler."""
+        """Stop accepting and end every session (their engines decode on without speculation); safe from a
+        signal handler or another thread."""
         self._stopping.set()
         self._close_listener()
-        session = self._session
-        if session is not None:
-            session.close()  # wakes the session's blocking receive
+
+    @property
+    def active_sessions(self) -> int:
+        with self._lock:
+            return sum(s.process.is_alive() for s in self._sessions)
 
     def _close_listener(self) -> None:
         try:
@@ -118,73 +127,131 @@ class DraftServer:
             pass
         self._listener.close()
 
-    # ------------------------------------------------------------------ connections
-    def _accept_loop(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return  # the listener closed: shutting down
-            channel = SocketChannel(sock)
-            try:
-                authenticate(channel, self.options.token, server=True, timeout_s=self.options.handshake_timeout_s)
-            except AuthenticationError as exc:
-                logger.warning("refused a connection: %s", exc)
-                channel.close()
-                continue
-            if self._busy.is_set() or not self._pending.empty():
-                _refuse(channel, "draft server busy: it serves one engine at a time")
-                continue
-            self._busy.set()
-            self._pending.put(channel)
+    def _reap(self) -> None:
+        with self._lock:
+            for session in [s for s in self._sessions if not s.process.is_alive()]:
+                session.process.join()
+                self._sessions.remove(session)
+                logger.info("session of %s ended (exit code %s)", session.peer, session.process.exitcode)
 
-    def _serve_session(self, channel: SocketChannel) -> None:
-        peer = channel.peer
-        self._session = channel
-        try:
-            worker = self._open_session(channel)
-            if worker is None:
-                return
-            self.sessions_served += 1
-            logger.info("serving the engine at %s", peer)
-            try:
-                worker.run()
-                logger.info("the engine at %s ended its session", peer)
-            except (EOFError, OSError):
-                if not self._stopping.is_set():
-                    logger.warning("lost the engine at %s; session ended", peer)
-            except Exception as exc:  # tell the engine (it decodes on without speculation), keep serving others
-                logger.exception("session with %s failed", peer)
-                _refuse(channel, f"draft server failed: {exc!r}")
-        finally:
-            self._session = None
-            channel.close()
-            self._busy.clear()
+    def _stop_sessions(self) -> None:
+        with self._lock:
+            sessions, self._sessions = self._sessions, []
+        for session in sessions:
+            session.process.terminate()
+        for session in sessions:
+            session.process.join(timeout=10)
+            if session.process.is_alive():
+                session.process.kill()
+                session.process.join()
 
-    def _open_session(self, channel: SocketChannel) -> DraftWorker | None:
-        """HELLO -> the session's draft engine, READY; None (after an ERROR naming the reason) if refused."""
-        channel.settimeout(self.options.handshake_timeout_s)
+    def _taken(self) -> int:
+        """Sequences reserved by sessions still running (the caller holds the lock)."""
+        return sum(s.seqs for s in self._sessions if s.process.is_alive())
+
+    def _wait_for_room(self, seqs: int, grace_s: float = 2.0) -> None:
+        """Give sessions that are ending (their engine just sent SHUTDOWN) a moment to exit before refusing."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and not self._stopping.is_set():
+            with self._lock:
+                if self._taken() + seqs <= self.options.max_seqs:
+                    return
+            time.sleep(0.05)
+
+    # ------------------------------------------------------------------ one connection
+    def _handshake(self, sock: socket.socket) -> None:
+        """Authenticate, read HELLO, admit: start the session's process, or refuse with the reason."""
+        channel = SocketChannel(sock)
         try:
+            authenticate(channel, self.options.token, server=True, timeout_s=self.options.handshake_timeout_s)
+            channel.settimeout(self.options.handshake_timeout_s)
             hello = wire.decode_message(channel.recv_bytes())
-            started = time.perf_counter()
+            received = time.monotonic()
             if not isinstance(hello, wire.HelloMsg):
                 raise ValueError(f"expected HELLO first, got {type(hello).__name__}")
-            config = worker_config(SessionSettings.from_json(hello.settings), self.draft)
-            engine = build_draft_engine(config)
+            settings = SessionSettings.from_json(hello.settings)
+            config = worker_config(settings, self.draft)
+        except AuthenticationError as exc:
+            logger.warning("refused a connection: %s", exc)
+            channel.close()
+            return
         except (EOFError, OSError) as exc:
             logger.warning("the engine at %s left before its session started: %s", channel.peer, exc)
-            return None
+            channel.close()
+            return
         except Exception as exc:  # a foreign protocol version, settings that do not fit this draft, ...
             logger.error("refused the session of %s: %s", channel.peer, exc)
             _refuse(channel, f"draft server refused the session: {exc}")
-            return None
-        channel.settimeout(None)
-        setup_s = time.perf_counter() - started  # the engine subtracts it from its wait: the link's round trip
-        channel.send_bytes(wire.ReadyMsg(info={"model": self.draft.model, "device": self.draft.device,
-                                               "setup_s": setup_s}).pack())
-        spec = config.spec
-        return DraftWorker(channel, engine, FanOutPlanner(spec),
-                           BuildClock(channel.poll) if spec.interruptible_build else None)
+            return
+        self._wait_for_room(settings.max_num_seqs)
+        with self._lock:
+            if self._stopping.is_set():
+                _refuse(channel, "draft server shutting down")
+                return
+            taken = self._taken()
+            if taken + settings.max_num_seqs > self.options.max_seqs:
+                logger.warning("refused the session of %s: %d sequences asked, %d of %d taken", channel.peer,
+                               settings.max_num_seqs, taken, self.options.max_seqs)
+                _refuse(channel, f"draft server full: it serves at most {self.options.max_seqs} sequences, "
+                                 f"{taken} are taken and this engine may run {settings.max_num_seqs}")
+                return
+            channel.settimeout(None)  # blocking, for the session's process too (they share the socket's state)
+            try:
+                process = mp.get_context("spawn").Process(
+                    target=run_session, name="ssd-draft-session", daemon=True,
+                    args=(sock, config, received, self.draft.threads, self.options.cpus, logging.getLogger().level))
+                process.start()
+            except Exception as exc:
+                logger.exception("cannot start a session process")
+                _refuse(channel, f"draft server cannot start a session: {exc!r}")
+                return
+            self._sessions.append(_Session(process, channel.peer, settings.max_num_seqs))
+            self.sessions_served += 1
+        logger.info("serving the engine at %s (%d sequences) in process %d", channel.peer, settings.max_num_seqs,
+                    process.pid)
+        sock.close()  # the session's process holds its own copy
+
+
+def run_session(sock: socket.socket, config: WorkerConfig, received: float, threads: int | None,
+                cpus: list[int] | None, log_level: int) -> None:
+    """A session's process: build the draft engine, answer READY (with the time since HELLO arrived, so the
+    engine can tell its link's round trip from the server's work), then serve until the engine leaves."""
+    logging.basicConfig(level=log_level, format="%(asctime)s draft-session %(levelname)s: %(message)s")
+    threading.Thread(target=_exit_with, args=(os.getppid(),), name="ssd-draft-session-watch", daemon=True).start()
+    channel = SocketChannel(sock)
+    channel.settimeout(None)
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
+    threads = threads or (len(cpus) if cpus else None)
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        engine = build_draft_engine(config)
+    except Exception as exc:
+        logger.exception("draft session failed to start")
+        _refuse(channel, f"draft server failed to start the session: {exc}")
+        return
+    channel.send_bytes(wire.ReadyMsg(info={"device": config.device,
+                                           "setup_s": time.monotonic() - received}).pack())
+    spec = config.spec
+    worker = DraftWorker(channel, engine, FanOutPlanner(spec), BuildClock(channel.poll) if spec.interruptible_build
+                         else None)
+    try:
+        worker.run()
+    except (EOFError, OSError):
+        logger.warning("lost the engine at %s; session ended", channel.peer)
+    except Exception as exc:  # tell the engine (it decodes on without speculation)
+        logger.exception("session with %s failed", channel.peer)
+        _refuse(channel, f"draft server failed: {exc!r}")
+    finally:
+        channel.close()
+
+
+def _exit_with(server_pid: int, period_s: float = 0.5) -> None:
+    """A session does not outlive its server (killed or not): its engine then sees the link close."""
+    while os.getppid() == server_pid:
+        time.sleep(period_s)
+    os._exit(1)
 
 
 def _refuse(channel: SocketChannel, reason: str) -> None:

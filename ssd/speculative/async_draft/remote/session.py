@@ -34,6 +34,7 @@ class SessionSettings:
     target_vocab_size: int  # the target's embedding rows
     target_tokens: int  # the target tokenizer's size
     vocab_digest: str  # draft_fit.vocabulary_digest of the target's tokenizer
+    max_num_seqs: int  # the most sequences the engine runs at once (the server's bound counts them)
     graphs: dict[str, Any] | None = None  # GraphOptions' fields (CUDA graphs on a CUDA draft), None: eager
 
     @classmethod
@@ -50,6 +51,7 @@ class SessionSettings:
             target_vocab_size=worker.target_vocab_size,
             target_tokens=target_tokens,
             vocab_digest=vocab_digest,
+            max_num_seqs=config.max_num_seqs,
             graphs=None if worker.graphs is None else asdict(worker.graphs),
         )
 
