@@ -114,9 +114,12 @@ class SpeculativeConfig:
     draft_timeout_s: float = option(60.0, "SSD: a draft worker silent this long is given up (decoding goes "
                                           "on without speculation)")
     draft_url: str | None = option(
-        None, "SSD: tcp://HOST:PORT of a draft server (`ssd draft-serve`) instead of a local draft process; the "
-        "server chooses the draft model and its device, so leave model, draft_device, draft_threads, draft_dtype "
-        "and draft_weight_format unset (ssd/speculative/async_draft/remote/)")
+        None, "SSD: tcp://HOST:PORT of a draft server (`ssd draft-serve`) instead of a local draft process, or a "
+        "comma list of several (sequences are spread over them); the servers choose the draft model and its device, "
+        "so leave model, draft_device, draft_threads, draft_dtype and draft_weight_format unset "
+        "(ssd/speculative/async_draft/remote/, draft_pool.py)")
+    draft_rejoin_s: float = option(10.0, "SSD with draft_url: seconds before a draft server that failed is tried "
+                                         "again, in the background (0: never)")
     draft_token: str | None = option(
         None, "SSD with draft_url: the token shared with the draft server (default: the SSD_DRAFT_TOKEN "
         "environment variable, which keeps it off the command line)")
@@ -182,7 +185,11 @@ class SpeculativeConfig:
     def _check_remote(self) -> None:
         if self.method is not SpecMethod.SSD:
             raise ValueError(f"draft_url is a remote SSD draft; it needs method 'ssd', not {self.method.value!r}")
-        parse_draft_url(self.draft_url)
+        for url in self.draft_urls:
+            parse_draft_url(url)
+        if isinstance(self.draft_rejoin_s, bool) or not isinstance(self.draft_rejoin_s, (int, float)) \
+                or self.draft_rejoin_s < 0:
+            raise ValueError(f"draft_rejoin_s must be a number >= 0, got {self.draft_rejoin_s!r}")
         owned = [name for name in ("model", "draft_device", "draft_threads", "draft_dtype")
                  if getattr(self, name) is not None]
         if WeightFormat.parse(self.draft_weight_format, "draft_weight_format") is not WeightFormat.AUTO:
@@ -190,6 +197,11 @@ class SpeculativeConfig:
         if owned:
             raise ValueError(f"with draft_url the draft server chooses {', '.join(owned)} (ssd draft-serve's "
                              "flags); leave them unset here")
+
+    @property
+    def draft_urls(self) -> list[str]:
+        """The draft servers of ``draft_url`` (none: a local draft)."""
+        return [] if self.draft_url is None else [u.strip() for u in str(self.draft_url).split(",") if u.strip()]
 
     @property
     def remote(self) -> bool:

@@ -9,12 +9,13 @@ import signal
 from pathlib import Path
 
 
-def _serve(model: str, token: bytes, conn, handshake_timeout_s: float, max_seqs: int) -> None:
+def _serve(model: str, token: bytes, conn, handshake_timeout_s: float, max_seqs: int, port: int) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s draft-server %(levelname)s %(name)s: %(message)s")
     from ssd.speculative.async_draft.remote.server import DraftServer, ServerOptions, describe_draft
 
     server = DraftServer(describe_draft(model, threads=1),
-                         ServerOptions(token=token, handshake_timeout_s=handshake_timeout_s, max_seqs=max_seqs))
+                         ServerOptions(token=token, handshake_timeout_s=handshake_timeout_s, max_seqs=max_seqs,
+                                       port=port))
     signal.signal(signal.SIGTERM, lambda *_: server.shutdown())
     conn.send(server.url)
     conn.close()
@@ -24,10 +25,11 @@ def _serve(model: str, token: bytes, conn, handshake_timeout_s: float, max_seqs:
 class ServerProcess:
     """``ssd draft-serve`` for ``model`` in a child process; ``url`` once it listens."""
 
-    def __init__(self, model: Path, token: bytes, handshake_timeout_s: float = 10.0, max_seqs: int = 16) -> None:
+    def __init__(self, model: Path, token: bytes, handshake_timeout_s: float = 10.0, max_seqs: int = 16,
+                 port: int = 0) -> None:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=_serve, args=(str(model), token, child, handshake_timeout_s, max_seqs),
+        self.process = ctx.Process(target=_serve, args=(str(model), token, child, handshake_timeout_s, max_seqs, port),
                                    name="ssd-draft-server")  # not a daemon: it starts session processes
         self.process.start()
         child.close()

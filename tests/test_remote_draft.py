@@ -287,3 +287,44 @@ def test_stalled_server_is_given_up_after_the_timeout(pair, own_server, caplog):
     assert len(_unavailable_logs(caplog)) == 1
     assert own_server.stop() == 0  # the server shuts down cleanly, its sessions with it
     assert not own_server.session_pids()
+
+
+# ------------------------------------------------------------------------------------------------ several servers
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def test_two_servers_share_the_sequences_and_take_over_from_each_other(pair, caplog):
+    """Sequences are spread over two servers (both build caches and serve hits); when one is killed its
+    sequences move to the other, which prefills them and speculates for them; restarted on its port, the
+    killed one rejoins in the background and takes sequences again. Every output equals AR."""
+    target, draft, expected = pair
+    first, second = ServerProcess(draft, TOKEN), ServerProcess(draft, TOKEN)
+    try:
+        with _remote(target, f"{first.url},{second.url}", draft_rejoin_s=0.5) as llm:
+            pool = llm.engine.proposer
+            _generate_exact(llm, expected)
+            sessions = [m.session.statistics() for m in pool.members]
+            assert all(s.rounds > 0 and s.builds > 0 for s in sessions)  # both drafted
+            assert llm.stats.cache_hits > 0
+            first.kill()
+            _generate_exact(llm, expected)  # the first server's rows come back empty once, then move over
+            assert pool.available and not pool.members[0].up and pool.members[1].up
+            hits = llm.stats.cache_hits
+            _generate_exact(llm, expected)  # every sequence on the second server
+            assert llm.stats.cache_hits > hits
+            first = ServerProcess(draft, TOKEN, port=_port(pool.members[0].url))
+            deadline = time.monotonic() + 60
+            while not pool.members[0].up and time.monotonic() < deadline:
+                llm.generate([PROMPTS[0]], [GREEDY[0]])  # rounds adopt the reconnected session
+                time.sleep(0.2)
+            assert pool.members[0].up
+            before = pool.members[0].session.statistics().rounds
+            _generate_exact(llm, expected)
+            assert pool.members[0].session.statistics().rounds > before  # it drafts again
+        assert len([m for m in caplog.messages if "rejoined" in m]) == 1
+    finally:
+        first.kill()
+        second.kill()

@@ -69,6 +69,7 @@ class SSDProposer:
         self._fallback = FallbackPolicy(fallback)
         self._round: tuple[int, float] | None = None  # (batch size, proposal requested at) of the open round
         self._probs_buffer: np.ndarray | None = None
+        self._sent: tuple[int, float] = (-1, 0.0)  # (round id, sent at) of the request awaiting its reply
         self._link: DraftLink | None = None
         try:
             try:
@@ -137,8 +138,13 @@ class SSDProposer:
         return max(0, min(self.K, seq.sampling_params.max_tokens - 2))  # the first round follows one token
 
     def propose(self, requests: list[ProposalRequest]) -> Proposal:
+        return self.finish_round(requests) if self.begin_round(requests) else self._empty(requests)
+
+    def begin_round(self, requests: list[ProposalRequest]) -> bool:
+        """Send this round's request (the new tokens and last round's outcome of each row); False if the draft is
+        unavailable. :meth:`finish_round` waits for the reply: a pool of drafts sends to all before it waits."""
         if not self.available:
-            return self._empty(requests)
+            return False
         self._round = (len(requests), time.perf_counter())
         self.prepare([r.seq for r in requests])
         rows = []
@@ -156,8 +162,17 @@ class SSDProposer:
         try:
             msg = wire.SpeculateMsg.from_lists(round_id, *zip(*rows), target_features=features)
             msg.fallback = fallback
-            sent = time.perf_counter()
+            self._sent = (round_id, time.perf_counter())
             self._send(msg)
+        except DraftWorkerError as exc:
+            self._fail(str(exc))
+            return False
+        return self.available  # (preparing may have failed)
+
+    def finish_round(self, requests: list[ProposalRequest]) -> Proposal:
+        """The reply to the request :meth:`begin_round` sent for ``requests``."""
+        round_id, sent = self._sent
+        try:
             reply = self._receive(self.timeout_s)
             waited = time.perf_counter() - sent
         except DraftWorkerError as exc:

@@ -10,6 +10,7 @@ from ssd.models.eagle3 import is_eagle3_head
 from ssd.models.loader import load_arch_config
 from ssd.runtime.model_runner import GraphOptions
 from ssd.speculative.async_draft.client import SSDProposer
+from ssd.speculative.async_draft.draft_pool import DraftServerPool
 from ssd.speculative.async_draft.link import RemoteDraftLink
 from ssd.speculative.async_draft.remote.channel import token_bytes
 from ssd.speculative.async_draft.remote.session import SessionSettings
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 def build_ssd_proposer(
     config: EngineConfig, target: TargetFacts, tokenizer: Tokenizer, draft_cpus: list[int] | None
-) -> SSDProposer:
+) -> SSDProposer | DraftServerPool:
     spec = config.spec
     if spec.remote:
         return _remote_proposer(config, target, tokenizer)
@@ -68,13 +69,18 @@ def _worker_config(config: EngineConfig, target: TargetFacts, device: str, usabl
     )
 
 
-def _remote_proposer(config: EngineConfig, target: TargetFacts, tokenizer: Tokenizer) -> SSDProposer:
-    """SSD with its draft on a draft server: the session asks for the worker a local draft would get (the
-    server checks the vocabulary against its model and picks the draft's device, dtype and format)."""
+def _remote_proposer(config: EngineConfig, target: TargetFacts, tokenizer: Tokenizer) -> DraftServerPool:
+    """SSD with its draft on draft servers: each session asks for the worker a local draft would get (the server
+    checks the vocabulary against its model and picks the draft's device, dtype and format)."""
     spec = config.spec
     token = token_bytes(spec.draft_token)  # refused here, before any connection, when there is none
     worker = _worker_config(config, target, "remote", target.vocab_size, None)
     settings = SessionSettings.for_worker(worker, len(tokenizer), vocabulary_digest(tokenizer))
-    logger.info("connecting to the SSD draft server at %s (K=%d)", spec.draft_url, spec.num_speculative_tokens)
-    return SSDProposer(worker, spec.fallback, spec.draft_timeout_s, build_first_round=not spec.prompt_step_speculation,
-                       open_link=lambda: RemoteDraftLink(spec.draft_url, token, settings, spec.draft_timeout_s))
+    first_round = not spec.prompt_step_speculation
+
+    def connect(url: str) -> SSDProposer:
+        logger.info("connecting to the SSD draft server at %s (K=%d)", url, spec.num_speculative_tokens)
+        return SSDProposer(worker, spec.fallback, spec.draft_timeout_s, build_first_round=first_round,
+                           open_link=lambda: RemoteDraftLink(url, token, settings, spec.draft_timeout_s))
+
+    return DraftServerPool(spec.draft_urls, connect, spec.draft_rejoin_s)
