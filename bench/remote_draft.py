@@ -62,7 +62,11 @@ def run_child(cfg: dict) -> dict:
     server = proxy = None
     workdir = tempfile.mkdtemp(prefix="ssd-remote-bench-")
     try:
-        if cfg["layout"] == "local":
+        if cfg["layout"] == "ar":  # plain decoding, the target alone on its core: the budget's reference
+            spec = None
+            os.sched_setaffinity(0, {TARGET_CORE})
+            threads = 1
+        elif cfg["layout"] == "local":
             spec["model"] = cfg["draft"]
             threads = None  # the engine's layout: target on the first core, the draft process on the last
         else:
@@ -102,7 +106,7 @@ def run_child(cfg: dict) -> dict:
                     "bytes_per_round": (after.draft_bytes_sent + after.draft_bytes_received - before.draft_bytes_sent
                                         - before.draft_bytes_received) / max(rounds, 1),
                     "link_rtt_ms": None if after.draft_link_rtt_s is None else 1e3 * after.draft_link_rtt_s,
-                    "speculating": llm.engine.proposer.available,
+                    "speculating": llm.engine.proposer is not None and llm.engine.proposer.available,
                     "tokens_digest": hashlib.sha256(json.dumps([o.token_ids for o in outputs]).encode()).hexdigest(),
                 }
                 out[name]["link_and_queue_ms"] = out[name]["reply_wait_ms"] - out[name]["serve_ms"]
@@ -145,7 +149,7 @@ def main() -> None:
         return
     target = resolve_model(args.target)
     prompts = {name: load_prompt_set(name, target, args.num_prompts).prompts for name in args.datasets.split(",")}
-    layouts = [("local", None), ("remote", None)] + [("remote", float(d)) for d in args.delays_ms.split(",") if d]
+    layouts = [("ar", None), ("local", None), ("remote", None)] + [("remote", float(d)) for d in args.delays_ms.split(",") if d]
     runs: dict[str, list] = {}
     for repeat in range(args.repeats):
         for batch in [int(b) for b in args.batch_sizes.split(",")]:
@@ -159,7 +163,8 @@ def main() -> None:
                     f"{n} {r['tok_s']:.1f} tok/s hit {r['hit_rate'] or 0:.2f} wait {r['reply_wait_ms']:.2f} ms "
                     f"(serve {r['serve_ms']:.2f})" for n, r in result.items())), flush=True)
     summary = _summarize(runs, prompts)
-    print(json.dumps(summary["ratios"], indent=1))
+    print(json.dumps({"ratios": summary["ratios"], "link_budget": summary["link_budget"],
+                      "identical_tokens": summary["identical_tokens"]}, indent=1))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": machine_info(), "command": "python " + " ".join(sys.argv), "runs": runs,
@@ -182,10 +187,32 @@ def _summarize(runs: dict[str, list], prompts: dict) -> dict:
                 digests[name].add(r[name]["tokens_digest"])
     ratios = {}
     for key, by_name in means.items():
-        local = means.get("local " + key.split(" ")[1])
-        if local and not key.startswith("local"):
+        batch = key.split(" ")[1]
+        local, ar = means.get("local " + batch), means.get("ar " + batch)
+        if local and not key.startswith(("local", "ar")):
             ratios[key + " / local"] = {n: round(v / local[n], 3) for n, v in by_name.items()}
-    return {"mean_tok_s": means, "ratios": ratios,
+        if ar and not key.startswith("ar"):
+            ratios[key + " / ar"] = {n: round(v / ar[n], 3) for n, v in by_name.items()}
+    # The link's budget: a remote draft adds its round trip to every round, and SSD still beats AR while
+    # L * T_ar > round time + extra, i.e. extra < batch * L * (1 / AR tok/s - 1 / local SSD tok/s) per round.
+    budget = {}
+    for key, by_name in means.items():
+        if not key.startswith("local"):
+            continue
+        batch = key.split(" ")[1]
+        ar = means.get("ar " + batch)
+        if not ar:
+            continue
+        b = int(batch[1:])
+        budget[batch] = {}
+        for name in prompts:
+            lengths = [r[name]["mean_acceptance_length"] for r in runs[key] if isinstance(r, dict)]
+            length = sum(lengths) / len(lengths)
+            budget[batch][name] = {"mean_acceptance_length": round(length, 3),
+                                   "round_ms": round(1e3 * b * length / by_name[name], 2),
+                                   "ar_ms_for_those_tokens": round(1e3 * b * length / ar[name], 2),
+                                   "link_budget_ms": round(1e3 * b * length * (1 / ar[name] - 1 / by_name[name]), 2)}
+    return {"mean_tok_s": means, "ratios": ratios, "link_budget": budget,
             "identical_tokens": {name: len(d) == 1 for name, d in digests.items()}}
 
 
