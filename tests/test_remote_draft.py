@@ -70,6 +70,19 @@ def _generate_exact(llm: LLM, expected: list[list[int]]):
     return outputs
 
 
+def _socket_fds() -> set[str]:
+    """This process's open sockets."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            found.add(target)
+    return found
+
+
 def _unavailable_logs(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if UNAVAILABLE in r.getMessage()]
 
@@ -155,6 +168,29 @@ def test_session_settings_round_trip():
         SessionSettings.from_json('{"engine_options": {}}')
 
 
+def test_merged_proposals_keep_each_row_where_it_was():
+    """The pool's rows come back from different servers (of different widths) and one row from none."""
+    from ssd.options import Fallback
+    from ssd.speculative.async_draft.draft_pool import _merge
+    from ssd.speculative.proposal import Proposal
+
+    vocab = 7
+    a = Proposal(torch.tensor([[1, 2, 3], [4, 5, 6]]), torch.rand(2, 3, vocab), [3, 1], [True, False],
+                 [None, Fallback.JIT], torch.tensor([[False, True, False], [True, False, False]]), [True, True])
+    b = Proposal(torch.tensor([[6]]), torch.rand(1, 1, vocab), [1], [False], [Fallback.RANDOM],
+                 torch.tensor([[False]]), [False])
+    merged = _merge([([2, 0], a), ([3], b)], batch=4, vocab=vocab)
+    assert merged.draft_tokens.tolist() == [[4, 5, 6], [0, 0, 0], [1, 2, 3], [6, 0, 0]]
+    assert merged.num_drafts == [1, 0, 3, 1]
+    assert torch.equal(merged.draft_probs[2], a.draft_probs[0]) and torch.equal(merged.draft_probs[3, :1],
+                                                                                b.draft_probs[0])
+    assert not merged.draft_probs[1].any()
+    assert [merged.origin(i).cache_hit for i in range(4)] == [False, None, True, False]  # row 1: no lookup
+    assert [merged.origin(i).fallback for i in range(4)] == [Fallback.JIT, None, None, Fallback.RANDOM]
+    assert [merged.origin(i).informative for i in range(4)] == [True, True, True, False]
+    assert merged.copied[2].tolist() == [False, True, False]
+
+
 # ------------------------------------------------------------------------------------------------ exactness
 
 
@@ -164,6 +200,7 @@ def test_session_settings_round_trip():
                          ids=["k3-jit", "k4-random-auto", "k2-prompt-step"])
 def test_remote_draft_greedy_equals_ar(pair, server, spec, caplog):
     target, _, expected = pair
+    sockets = _socket_fds()
     with _remote(target, server.url, **spec) as llm:
         outputs = _generate_exact(llm, expected)
         assert llm.engine.proposer.available and llm.engine.proposer.pid is None
@@ -180,6 +217,11 @@ def test_remote_draft_greedy_equals_ar(pair, server, spec, caplog):
         one = llm.generate([PROMPTS[3]], [GREEDY[3]])  # batch 1
         assert one[0].token_ids == expected[3]
     assert not _unavailable_logs(caplog)
+    assert _socket_fds() == sockets  # the engine's shutdown closed its link ...
+    deadline = time.monotonic() + 10
+    while server.session_pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not server.session_pids()  # ... and the session's process ended with it
 
 
 def test_engines_share_a_server_within_its_sequence_bound(pair, server, caplog):
@@ -287,6 +329,28 @@ def test_stalled_server_is_given_up_after_the_timeout(pair, own_server, caplog):
     assert len(_unavailable_logs(caplog)) == 1
     assert own_server.stop() == 0  # the server shuts down cleanly, its sessions with it
     assert not own_server.session_pids()
+
+
+def test_a_dropped_link_is_restored(pair, own_server, caplog):
+    """The session's process dies (its socket closes under the engine): the engine decodes on plainly, reconnects
+    after draft_rejoin_s in the background, and speculates again from the new session's caches."""
+    target, _, expected = pair
+    with _remote(target, own_server.url, draft_rejoin_s=0.3) as llm:
+        pool = llm.engine.proposer
+        _generate_exact(llm, expected)
+        (session,) = own_server.session_pids()
+        os.kill(session, signal.SIGKILL)
+        _generate_exact(llm, expected)
+        deadline = time.monotonic() + 60
+        while not (pool.available and pool.members[0].session.statistics().rounds) and time.monotonic() < deadline:
+            llm.generate([PROMPTS[0]], [GREEDY[0]])
+            time.sleep(0.1)
+        hits = llm.stats.cache_hits
+        _generate_exact(llm, expected)
+        assert pool.available and llm.stats.cache_hits > hits
+        assert own_server.session_pids() != [session]
+    assert len(_unavailable_logs(caplog)) == 1  # the drop; the reconnection says it rejoined
+    assert len([m for m in caplog.messages if "rejoined" in m]) == 1
 
 
 # ------------------------------------------------------------------------------------------------ several servers

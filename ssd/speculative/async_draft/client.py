@@ -43,12 +43,14 @@ class SSDProposer:
         build_first_round: bool = False,
         feature_layers: tuple[int, ...] | None = None,
         open_link: Callable[[], DraftLink] | None = None,
+        quiet_start: bool = False,
     ) -> None:
         """``build_first_round``: the engine's prompt step emits its token without drafts, so the worker can
         build each new sequence's first-round cache while the target computes the prompt. ``feature_layers``: the
         worker runs an EAGLE-3 head, which reads the target's hidden states entering these layers; each round
         sends the features of the positions the target computed since the last. ``open_link``: reaches the draft
-        (default: spawns a local worker process with ``config``)."""
+        (default: spawns a local worker process with ``config``); ``quiet_start``: a failure to start is not logged
+        (a pool retrying a server that is down says so once itself)."""
         if feature_layers is not None and build_first_round:
             raise ValueError("an EAGLE-3 head cannot build a first round: it needs the prompt's features")
         self.config = config
@@ -83,7 +85,7 @@ class SSDProposer:
             if sent is not None and isinstance(setup_s, float):  # a session: HELLO -> READY less the server's work
                 self._statistics.link_rtt_s = max(0.0, time.perf_counter() - sent - setup_s)
         except DraftWorkerError as exc:
-            self._fail(str(exc))
+            self._fail(str(exc), log=not quiet_start)
 
     # ------------------------------------------------------------------ transport
     def _receive(self, timeout: float):
@@ -106,8 +108,8 @@ class SSDProposer:
         except (OSError, ValueError) as exc:
             raise DraftWorkerError(f"lost the {self._link.name}: {exc!r}") from exc
 
-    def _fail(self, reason: str) -> None:
-        if self.available:
+    def _fail(self, reason: str, log: bool = True) -> None:
+        if self.available and log:
             logger.error("SSD draft unavailable (%s); continuing without speculation", reason)
         self.available = False
         self.failure = reason

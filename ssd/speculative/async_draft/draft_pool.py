@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 class _Member:
     """One draft server: its current session (None while it is down) and its reconnection."""
 
-    def __init__(self, url: str, connect: Callable[[], SSDProposer]) -> None:
+    def __init__(self, url: str, connect: Callable[[bool], SSDProposer]) -> None:
         self.url = url
         self.connect = connect
         self.session: SSDProposer | None = None
@@ -50,13 +50,19 @@ class DraftServerPool:
 
     feature_layers = None  # draft models only: no target features travel to a server
 
-    def __init__(self, urls: list[str], connect: Callable[[str], SSDProposer], rejoin_s: float) -> None:
+    def __init__(self, urls: list[str], connect: Callable[[str, bool], SSDProposer], rejoin_s: float,
+                 vocab_size: int) -> None:
+        """``connect(url, retry)``: a session with the server at ``url`` (``retry``: a reconnection, whose failure
+        is not logged again); ``vocab_size``: the target's (the width of the draft distributions)."""
         self.rejoin_s = rejoin_s
+        self.vocab_size = vocab_size
         self._owner: dict[int, _Member] = {}  # seq_id -> the server drafting for it
         self._last_reason: str | None = None  # why the last server that failed did
-        self.members = [_Member(url, lambda url=url: connect(url)) for url in urls]
+        self._outage_logged = False  # "no server available" said once per outage
+        self.members = [_Member(url, lambda retry, url=url: connect(url, retry)) for url in urls]
         for member in self.members:
-            member.session = member.connect()
+            member.session = member.connect(False)
+        for member in self.members:
             if not member.up:
                 self._lost(member)
 
@@ -80,7 +86,8 @@ class DraftServerPool:
         member.failed_at = time.monotonic()
         for seq_id in [s for s, m in self._owner.items() if m is member]:
             del self._owner[seq_id]  # reassigned at its next round; the new server prefills it
-        if not self.available:
+        if not self.available and len(self.members) > 1 and not self._outage_logged:  # (each session's client
+            self._outage_logged = True  # logged its own failure)
             logger.error("no SSD draft server available; decoding without speculation until one rejoins")
 
     def _check_members(self) -> None:
@@ -89,12 +96,15 @@ class DraftServerPool:
         for member in self.members:
             if member.session is not None and not member.session.available:
                 self._lost(member)
-            if member.pending is not None:
-                member.session, member.pending = member.pending, None
-                if member.up:
+            if member.pending is not None:  # a reconnection finished
+                session, member.pending = member.pending, None
+                if session.available:
+                    member.session = session
+                    self._outage_logged = False
                     logger.warning("SSD draft server %s rejoined", member.url)
-                else:
-                    self._lost(member)
+                else:  # still down: try again later, quietly
+                    _add(member.retired, session.statistics())
+                    member.failed_at = time.monotonic()
             elif (member.session is None and self.rejoin_s > 0 and now - member.failed_at >= self.rejoin_s
                   and member.reconnecting is None):
                 member.reconnecting = threading.Thread(target=self._reconnect, args=(member,),
@@ -103,7 +113,7 @@ class DraftServerPool:
 
     def _reconnect(self, member: _Member) -> None:
         try:
-            member.pending = member.connect()
+            member.pending = member.connect(True)
         finally:
             member.failed_at = time.monotonic()
             member.reconnecting = None
@@ -123,12 +133,14 @@ class DraftServerPool:
         self._owner[seq.seq_id] = member
         return member
 
-    def _split(self, items: list, seq_of: Callable) -> dict[int, tuple[_Member, list[int]]]:
-        """Positions of ``items`` by the member drafting for each (members that are down get none)."""
+    def _split(self, items: list, seq_of: Callable, assign: bool = True) -> dict[int, tuple[_Member, list[int]]]:
+        """Positions of ``items`` by the member drafting for each (members that are down get none); ``assign``:
+        sequences without a member that is up get one."""
         groups: dict[int, tuple[_Member, list[int]]] = {}
         for i, item in enumerate(items):
-            member = self._assign(seq_of(item))
-            if member is not None:
+            seq = seq_of(item)
+            member = self._assign(seq) if assign else self._owner.get(seq.seq_id)
+            if member is not None and member.up:
                 groups.setdefault(id(member), (member, []))[1].append(i)
         return groups
 
@@ -146,14 +158,10 @@ class DraftServerPool:
         for member, rows, sent in began:  # every server has its request before the first reply is awaited
             sub = [requests[i] for i in rows]
             parts.append((rows, member.session.finish_round(sub) if sent else member.session.propose(sub)))
-        return _merge(parts, len(requests), self._vocab_size())
-
-    def _vocab_size(self) -> int:
-        return next(m.session.vocab_size for m in self.members if m.session is not None) if any(
-            m.session is not None for m in self.members) else 0
+        return _merge(parts, len(requests), self.vocab_size)
 
     def on_verified(self, rounds: list[VerifiedRound]) -> None:
-        for member, rows in self._split(rounds, lambda r: r.seq).values():
+        for member, rows in self._split(rounds, lambda r: r.seq, assign=False).values():
             member.session.on_verified([rounds[i] for i in rows])
 
     def release(self, seq: Sequence) -> None:

@@ -78,9 +78,10 @@ def _remote_proposer(config: EngineConfig, target: TargetFacts, tokenizer: Token
     settings = SessionSettings.for_worker(worker, len(tokenizer), vocabulary_digest(tokenizer))
     first_round = not spec.prompt_step_speculation
 
-    def connect(url: str) -> SSDProposer:
+    def connect(url: str, retry: bool) -> SSDProposer:
         logger.info("connecting to the SSD draft server at %s (K=%d)", url, spec.num_speculative_tokens)
         return SSDProposer(worker, spec.fallback, spec.draft_timeout_s, build_first_round=first_round,
-                           open_link=lambda: RemoteDraftLink(url, token, settings, spec.draft_timeout_s))
+                           open_link=lambda: RemoteDraftLink(url, token, settings, spec.draft_timeout_s),
+                           quiet_start=retry)
 
-    return DraftServerPool(spec.draft_urls, connect, spec.draft_rejoin_s)
+    return DraftServerPool(spec.draft_urls, connect, spec.draft_rejoin_s, target.vocab_size)
