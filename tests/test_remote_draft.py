@@ -335,7 +335,7 @@ def test_a_dropped_link_is_restored(pair, own_server, caplog):
     """The session's process dies (its socket closes under the engine): the engine decodes on plainly, reconnects
     after draft_rejoin_s in the background, and speculates again from the new session's caches."""
     target, _, expected = pair
-    with _remote(target, own_server.url, draft_rejoin_s=0.3) as llm:
+    with _remote(target, own_server.url, draft_rejoin_s=0.3, adaptive_lookahead=False) as llm:
         pool = llm.engine.proposer
         _generate_exact(llm, expected)
         (session,) = own_server.session_pids()
