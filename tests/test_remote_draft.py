@@ -297,10 +297,7 @@ def test_killed_server_mid_run_loses_no_request(pair, own_server, caplog):
         _generate_exact(llm, expected)
         (session,) = own_server.session_pids()
         own_server.kill()  # SIGKILL: the session's process follows its server within a second
-        deadline = time.monotonic() + 10
-        while _alive(session) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not _alive(session)
+        _wait_gone(session)
         _generate_exact(llm, expected)
         assert not llm.engine.proposer.available
     assert len(_unavailable_logs(caplog)) == 1
@@ -312,6 +309,13 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # not a zombie
+
+
+def _wait_gone(pid: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
 
 
 def test_stalled_server_is_given_up_after_the_timeout(pair, own_server, caplog):
@@ -373,7 +377,9 @@ def test_two_servers_share_the_sequences_and_take_over_from_each_other(pair, cap
             sessions = [m.session.statistics() for m in pool.members]
             assert all(s.rounds > 0 and s.builds > 0 for s in sessions)  # both drafted
             assert llm.stats.cache_hits > 0
-            first.kill()
+            (session,) = first.session_pids()
+            first.kill()  # its session's process follows within a second
+            _wait_gone(session)
             _generate_exact(llm, expected)  # the first server's rows come back empty once, then move over
             assert pool.available and not pool.members[0].up and pool.members[1].up
             hits = llm.stats.cache_hits

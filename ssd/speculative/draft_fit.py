@@ -63,7 +63,8 @@ def draft_model_vocab(draft_path: str) -> int:
 def check_draft_vocabulary(tokenizer: Tokenizer, target: TargetFacts, draft_path: str) -> int:
     """Token ids both models can produce, read from the draft folder's tokenizer and config only (before
     paying for loading the weights)."""
-    return check_vocabularies(tokenizer, Tokenizer(draft_path), target.vocab_size, draft_model_vocab(draft_path))
+    draft_vocab = draft_model_vocab(draft_path)  # first: a missing folder is reported as such
+    return check_vocabularies(tokenizer, Tokenizer(draft_path), target.vocab_size, draft_vocab)
 
 
 def draft_num_blocks(config: EngineConfig, target: TargetFacts, extra_tokens_per_seq: int) -> int:
