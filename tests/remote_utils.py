@@ -9,11 +9,12 @@ import signal
 from pathlib import Path
 
 
-def _serve(model: str, token: bytes, conn, handshake_timeout_s: float, max_seqs: int, port: int) -> None:
+def _serve(model: str, token: bytes, conn, handshake_timeout_s: float, max_seqs: int, port: int,
+           target: str | None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s draft-server %(levelname)s %(name)s: %(message)s")
     from ssd.speculative.async_draft.remote.server import DraftServer, ServerOptions, describe_draft
 
-    server = DraftServer(describe_draft(model, threads=1),
+    server = DraftServer(describe_draft(model, threads=1, target=target),
                          ServerOptions(token=token, handshake_timeout_s=handshake_timeout_s, max_seqs=max_seqs,
                                        port=port))
     signal.signal(signal.SIGTERM, lambda *_: server.shutdown())
@@ -26,10 +27,11 @@ class ServerProcess:
     """``ssd draft-serve`` for ``model`` in a child process; ``url`` once it listens."""
 
     def __init__(self, model: Path, token: bytes, handshake_timeout_s: float = 10.0, max_seqs: int = 16,
-                 port: int = 0) -> None:
+                 port: int = 0, target: Path | None = None) -> None:
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=_serve, args=(str(model), token, child, handshake_timeout_s, max_seqs, port),
+        self.process = ctx.Process(target=_serve, args=(str(model), token, child, handshake_timeout_s, max_seqs, port,
+                                                                  None if target is None else str(target)),
                                    name="ssd-draft-server")  # not a daemon: it starts session processes
         self.process.start()
         child.close()

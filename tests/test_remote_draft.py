@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle3_utils import make_test_pairs
 from remote_utils import ServerProcess
 from ssd import LLM, SamplingParams
 from ssd.speculative.async_draft.remote.channel import (
@@ -161,7 +162,8 @@ def test_draft_urls_and_remote_options_are_checked(pair):
 def test_session_settings_round_trip():
     settings = SessionSettings(engine_options={"block_size": 16, "seed": 3}, spec_options={"fan_out": "1,2,3"},
                                max_model_len=160, num_blocks=90, target_vocab_size=512, target_tokens=500,
-                               vocab_digest="ab", max_num_seqs=8, graphs={"max_query_len": 5, "max_kv_len": 200, "compile": False,
+                               vocab_digest="ab", max_num_seqs=8, target_hidden_size=64, target_num_layers=2,
+                               graphs={"max_query_len": 5, "max_kv_len": 200, "compile": False,
                                                           "capture": True})
     assert SessionSettings.from_json(settings.to_json()) == settings
     with pytest.raises(ValueError, match="malformed session settings"):
@@ -398,3 +400,27 @@ def test_two_servers_share_the_sequences_and_take_over_from_each_other(pair, cap
     finally:
         first.kill()
         second.kill()
+
+
+def test_an_eagle3_head_on_a_server_drafts_from_the_engines_features(checkpoint_factory, tmp_path_factory, caplog):
+    """A server running an EAGLE-3 head (with --target, the target it drafts for) tells the engine which layers'
+    features it reads; the engine sends them each round, and the head, which agrees with this target, has every
+    draft accepted. An engine running another target is refused with the reason."""
+    paths = make_test_pairs(checkpoint_factory, tmp_path_factory.mktemp("remote_head"))
+    target, head = Path(paths["constant"]), Path(paths["agreeing_head"])
+    with LLM(str(target), **BASE) as ar:
+        expected = [o.token_ids for o in ar.generate(PROMPTS, GREEDY)]
+    server = ServerProcess(head, TOKEN, target=target)
+    try:
+        with _remote(target, server.url, adaptive_lookahead=False) as llm:
+            _generate_exact(llm, expected)
+            stats = llm.stats
+            assert llm.engine.proposer.feature_layers is not None
+            assert stats.draft_feature_bytes > 0 and stats.cache_hits > 0
+            assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+        other = checkpoint_factory(vocab_size=259)
+        with _remote(other, server.url) as llm:
+            assert not llm.engine.proposer.available
+            assert "is not the head's target" in llm.engine.proposer.failure
+    finally:
+        server.kill()

@@ -11,7 +11,11 @@ from ssd.speculative.async_draft.remote.channel import TOKEN_ENV
 
 
 def add_draft_serve_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="the draft model folder (e.g. models/smollm2-draft)")
+    parser.add_argument("--model", required=True,
+                        help="the draft model folder (e.g. models/smollm2-draft), or an EAGLE-3 head's with --target")
+    parser.add_argument("--target", default=None,
+                        help="with an EAGLE-3 head: the target checkpoint folder (its embedding and tokenizer; "
+                             "engines must run this target)")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default loopback; 0.0.0.0 for every interface)")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (default 0: a free port, printed)")
@@ -37,7 +41,7 @@ def cmd_draft_serve(args: argparse.Namespace) -> int:
 
     token = token_bytes(args.token)
     cpus = None if args.cpus is None else [int(c) for c in args.cpus.split(",") if c.strip()]
-    draft = describe_draft(args.model, args.device, args.threads, args.dtype, args.weight_format)
+    draft = describe_draft(args.model, args.device, args.threads, args.dtype, args.weight_format, args.target)
     server = DraftServer(draft, ServerOptions(token=token, host=args.host, port=args.port, max_seqs=args.max_seqs,
                                               cpus=cpus))
     for sig in (signal.SIGINT, signal.SIGTERM):

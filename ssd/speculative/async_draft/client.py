@@ -81,6 +81,10 @@ class SSDProposer:
             reply = self._receive(start_timeout_s)
             if isinstance(reply, wire.ErrorMsg):
                 raise DraftWorkerError(reply.message)
+            layers = reply.info.get("feature_layers")
+            if isinstance(layers, str) and layers:  # a server's EAGLE-3 head: it reads these layers' features
+                self.feature_layers = tuple(int(layer) for layer in layers.split(","))
+                self.build_first_round = False  # (a head needs the prompt's features)
             sent, setup_s = self._link.hello_sent_at, reply.info.get("setup_s")
             if sent is not None and isinstance(setup_s, float):  # a session: HELLO -> READY less the server's work
                 self._statistics.link_rtt_s = max(0.0, time.perf_counter() - sent - setup_s)

@@ -48,8 +48,6 @@ class _Member:
 class DraftServerPool:
     """A proposer over draft servers (one or more), with the interface of :class:`SSDProposer`."""
 
-    feature_layers = None  # draft models only: no target features travel to a server
-
     def __init__(self, urls: list[str], connect: Callable[[str, bool], SSDProposer], rejoin_s: float,
                  vocab_size: int) -> None:
         """``connect(url, retry)``: a session with the server at ``url`` (``retry``: a reconnection, whose failure
@@ -65,6 +63,27 @@ class DraftServerPool:
         for member in self.members:
             if not member.up:
                 self._lost(member)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...] | None:
+        """The target layers whose features the servers' EAGLE-3 heads read (None: draft models); the step
+        computes them with its forward and hands them to :meth:`observe_target`."""
+        return next((m.session.feature_layers for m in self.members if m.up and m.session.feature_layers), None)
+
+    def observe_target(self, computed: list[tuple[int, int, int]], features: torch.Tensor) -> None:
+        """Each server gets the features of its own sequences' rows (``computed``: (seq_id, first position,
+        rows) in the flat order of ``features``' rows)."""
+        parts: dict[int, tuple[_Member, list, list[torch.Tensor]]] = {}
+        row = 0
+        for seq_id, first, count in computed:
+            member = self._owner.get(seq_id)
+            if member is not None and member.up:
+                part = parts.setdefault(id(member), (member, [], []))
+                part[1].append((seq_id, first, count))
+                part[2].append(features[row : row + count])
+            row += count
+        for member, entries, rows in parts.values():
+            member.session.observe_target(entries, torch.cat(rows))
 
     # ------------------------------------------------------------------ availability
     @property

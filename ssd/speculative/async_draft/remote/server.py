@@ -27,7 +27,7 @@ from ssd.models.eagle3 import is_eagle3_head
 from ssd.models.loader import load_arch_config
 from ssd.speculative.async_draft.planning.build_clock import BuildClock
 from ssd.speculative.async_draft.remote.channel import AuthenticationError, SocketChannel, authenticate, listen
-from ssd.speculative.async_draft.remote.session import ServerDraft, SessionSettings, worker_config
+from ssd.speculative.async_draft.remote.session import ServerDraft, SessionSettings, head_layers, worker_config
 from ssd.speculative.async_draft.wire import protocol as wire
 from ssd.speculative.async_draft.worker import DraftWorker, FanOutPlanner, WorkerConfig, build_draft_engine
 from ssd.speculative.draft_fit import vocabulary_digest
@@ -49,16 +49,22 @@ class ServerOptions:
 
 
 def describe_draft(model: str, device: str = "cpu", threads: int | None = None, dtype: str | None = None,
-                   weight_format: str = "auto") -> ServerDraft:
-    """The server's draft, checked before it listens: a draft model folder with a tokenizer (EAGLE-3 heads
-    read the target's features and embedding, which a remote session does not carry yet)."""
-    load_arch_config(model)  # a missing folder or a broken config.json is reported as such
+                   weight_format: str = "auto", target: str | None = None) -> ServerDraft:
+    """The server's draft, checked before it listens: a draft model folder with a tokenizer, or an EAGLE-3 head
+    with ``target``, the target checkpoint folder whose embedding and tokenizer it reads (engines must run that
+    target: they send its features)."""
     if is_eagle3_head(model):
-        raise ValueError(f"{model} is an EAGLE-3 head; a draft server runs a draft model (heads need the "
-                         "target's features and embedding, which a remote session does not carry yet)")
-    tokenizer = Tokenizer(model)
+        if target is None:
+            raise ValueError(f"{model} is an EAGLE-3 head: give --target, the folder of the target it drafts for "
+                             "(the head reads its embedding and tokenizer)")
+        load_arch_config(target)
+    else:
+        load_arch_config(model)  # a missing folder or a broken config.json is reported as such
+        if target is not None:
+            raise ValueError(f"--target is for EAGLE-3 heads; {model} is a draft model")
+    tokenizer = Tokenizer(target or model)
     return ServerDraft(model=model, device=device, threads=threads, dtype=dtype, weight_format=weight_format,
-                       vocab_digest=vocabulary_digest(tokenizer), tokens=len(tokenizer))
+                       vocab_digest=vocabulary_digest(tokenizer), tokens=len(tokenizer), target=target)
 
 
 @dataclass
@@ -171,6 +177,7 @@ class DraftServer:
                 raise ValueError(f"expected HELLO first, got {type(hello).__name__}")
             settings = SessionSettings.from_json(hello.settings)
             config = worker_config(settings, self.draft)
+            layers = head_layers(config)
         except AuthenticationError as exc:
             logger.warning("refused a connection: %s", exc)
             channel.close()
@@ -199,7 +206,8 @@ class DraftServer:
             try:
                 process = mp.get_context("spawn").Process(
                     target=run_session, name="ssd-draft-session", daemon=True,
-                    args=(sock, config, received, self.draft.threads, self.options.cpus, logging.getLogger().level))
+                    args=(sock, config, layers, received, self.draft.threads, self.options.cpus,
+                          logging.getLogger().level))
                 process.start()
             except Exception as exc:
                 logger.exception("cannot start a session process")
@@ -212,10 +220,11 @@ class DraftServer:
         sock.close()  # the session's process holds its own copy
 
 
-def run_session(sock: socket.socket, config: WorkerConfig, received: float, threads: int | None,
-                cpus: list[int] | None, log_level: int) -> None:
+def run_session(sock: socket.socket, config: WorkerConfig, layers: tuple[int, ...] | None, received: float,
+                threads: int | None, cpus: list[int] | None, log_level: int) -> None:
     """A session's process: build the draft engine, answer READY (with the time since HELLO arrived, so the
-    engine can tell its link's round trip from the server's work), then serve until the engine leaves."""
+    engine can tell its link's round trip from the server's work, and an EAGLE-3 head's feature ``layers``, which
+    the engine then sends), then serve until the engine leaves."""
     logging.basicConfig(level=log_level, format="%(asctime)s draft-session %(levelname)s: %(message)s")
     threading.Thread(target=_exit_with, args=(os.getppid(),), name="ssd-draft-session-watch", daemon=True).start()
     channel = SocketChannel(sock)
@@ -231,8 +240,10 @@ def run_session(sock: socket.socket, config: WorkerConfig, received: float, thre
         logger.exception("draft session failed to start")
         _refuse(channel, f"draft server failed to start the session: {exc}")
         return
-    channel.send_bytes(wire.ReadyMsg(info={"device": config.device,
-                                           "setup_s": time.monotonic() - received}).pack())
+    info = {"device": config.device, "setup_s": time.monotonic() - received}
+    if layers is not None:
+        info["feature_layers"] = ",".join(map(str, layers))
+    channel.send_bytes(wire.ReadyMsg(info=info).pack())
     spec = config.spec
     worker = DraftWorker(channel, engine, FanOutPlanner(spec), BuildClock(channel.poll) if spec.interruptible_build
                          else None)
