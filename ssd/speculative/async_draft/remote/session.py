@@ -24,12 +24,14 @@ from ssd.speculative.async_draft.worker import WorkerConfig
 from ssd.speculative.draft_fit import draft_model_vocab, usable_tokens
 from ssd.speculative.head_runner import head_feature_layers
 
-SERVER_ENGINE_OPTIONS = ("model", "tokenizer")  # the server's: its draft model folder stands for both
+SERVER_ENGINE_OPTIONS = ("model", "tokenizer")  # the server's: its draft model's folder (a head's: --target)
 SERVER_SPEC_OPTIONS = ("model", "draft_device", "draft_threads", "draft_dtype", "draft_weight_format")
 
 
 @dataclass(frozen=True)
 class SessionSettings:
+    """The HELLO message's settings: what the engine asks of a session."""
+
     engine_options: dict[str, Any]  # EngineConfig's draft-worker options, less SERVER_ENGINE_OPTIONS
     spec_options: dict[str, Any]  # SpeculativeConfig's draft-worker options, less SERVER_SPEC_OPTIONS
     max_model_len: int  # the target's
