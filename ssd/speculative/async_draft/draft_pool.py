@@ -57,6 +57,8 @@ class DraftServerPool:
         self._owner: dict[int, _Member] = {}  # seq_id -> the server drafting for it
         self._last_reason: str | None = None  # why the last server that failed did
         self._outage_logged = False  # "no server available" said once per outage
+        self._closed = False  # shut down: reconnections that finish later end their sessions
+        self._closing = threading.Lock()  # orders a reconnection's adoption against the shutdown
         self.members = [_Member(url, lambda retry, url=url: connect(url, retry)) for url in urls]
         for member in self.members:
             member.session = member.connect(False)
@@ -132,7 +134,13 @@ class DraftServerPool:
 
     def _reconnect(self, member: _Member) -> None:
         try:
-            member.pending = member.connect(True)
+            session = member.connect(True)
+            with self._closing:
+                adopt = not self._closed
+                if adopt:
+                    member.pending = session
+            if not adopt:  # the engine shut down meanwhile: nobody adopts it
+                session.shutdown()
         finally:
             member.failed_at = time.monotonic()
             member.reconnecting = None
@@ -197,10 +205,15 @@ class DraftServerPool:
         return total
 
     def shutdown(self) -> None:
+        """End every session; a reconnection still waiting for its server (up to its start timeout) ends its
+        session itself when it returns, so shutting down never waits for a server that does not answer."""
+        with self._closing:
+            self._closed = True
         self.rejoin_s = 0.0  # no new reconnections
         for member in self.members:
-            if member.reconnecting is not None:
-                member.reconnecting.join()
+            reconnecting = member.reconnecting
+            if reconnecting is not None:
+                reconnecting.join(timeout=1.0)
             for session in (member.session, member.pending):
                 if session is not None:
                     session.shutdown()
