@@ -23,6 +23,16 @@ def _serve(model: str, token: bytes, conn, handshake_timeout_s: float, max_seqs:
     server.serve_forever()
 
 
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process from /proc (None: it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    state, ppid = stat.rsplit(")", 1)[1].split()[:2]  # after the command's name: fields 3 and 4
+    return state, int(ppid)
+
+
 class ServerProcess:
     """``ssd draft-serve`` for ``model`` in a child process; ``url`` once it listens."""
 
@@ -42,16 +52,8 @@ class ServerProcess:
 
     def session_pids(self) -> list[int]:
         """The server's session processes (its children)."""
-        pids = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    stat = Path(f"/proc/{entry}/stat").read_text()
-                except OSError:
-                    continue
-                if int(stat.rsplit(")", 1)[1].split()[1]) == self.process.pid:  # field 4: the parent's pid
-                    pids.append(int(entry))
-        return pids
+        pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+        return [pid for pid in pids if (proc_stat(pid) or ("", -1))[1] == self.process.pid]
 
     def stop(self, timeout: float = 10.0) -> int | None:
         """SIGTERM (a graceful shutdown); the exit code."""

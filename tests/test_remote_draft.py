@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from eagle3_utils import make_test_pairs
-from remote_utils import ServerProcess
+from remote_utils import ServerProcess, proc_stat
 from ssd import LLM, SamplingParams
 from ssd.speculative.async_draft.remote.channel import (
     AuthenticationError,
@@ -306,11 +306,8 @@ def test_killed_server_mid_run_loses_no_request(pair, own_server, caplog):
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # not a zombie
+    stat = proc_stat(pid)
+    return stat is not None and stat[0] != "Z"  # not a zombie
 
 
 def _wait_gone(pid: int, timeout_s: float = 10.0) -> None:

@@ -13,6 +13,7 @@ import logging
 import os
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -141,8 +142,11 @@ class FanOutPlanner:
         return (self.hit if hit else self.miss).plan(num_drafts)
 
 
-def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
-    """Process entry point. Returns when told to shut down or when the target side goes away."""
+def run_draft_worker(conn: Connection, config: WorkerConfig,
+                     ready_info: Callable[[], dict[str, wire.Scalar]] | None = None) -> None:
+    """Process entry point (a local worker's, and a draft server's session's over its socket). Returns when told
+    to shut down or when the target side goes away. ``ready_info``: what READY tells the client, asked for once
+    the engine is built."""
     logging.basicConfig(level=config.log_level, format="%(asctime)s draft-worker %(levelname)s: %(message)s")
     try:
         _pin(config)
@@ -152,7 +156,7 @@ def run_draft_worker(conn: Connection, config: WorkerConfig) -> None:
         logger.exception("draft worker failed to start")
         conn.send_bytes(wire.ErrorMsg(f"draft worker failed to start: {exc}").pack())
         return
-    conn.send_bytes(wire.ReadyMsg().pack())
+    conn.send_bytes(wire.ReadyMsg(info=ready_info() if ready_info else {}).pack())
     try:
         worker.run()
     except (EOFError, OSError):

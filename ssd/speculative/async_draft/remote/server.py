@@ -19,17 +19,14 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
-
-import torch
+from dataclasses import dataclass, replace
 
 from ssd.models.eagle3 import is_eagle3_head
 from ssd.models.loader import load_arch_config
-from ssd.speculative.async_draft.planning.build_clock import BuildClock
 from ssd.speculative.async_draft.remote.channel import AuthenticationError, SocketChannel, authenticate, listen
 from ssd.speculative.async_draft.remote.session import ServerDraft, SessionSettings, head_layers, worker_config
 from ssd.speculative.async_draft.wire import protocol as wire
-from ssd.speculative.async_draft.worker import DraftWorker, FanOutPlanner, WorkerConfig, build_draft_engine
+from ssd.speculative.async_draft.worker import WorkerConfig, run_draft_worker
 from ssd.speculative.draft_fit import vocabulary_digest
 from ssd.tokenizer import Tokenizer
 
@@ -176,7 +173,8 @@ class DraftServer:
             if not isinstance(hello, wire.HelloMsg):
                 raise ValueError(f"expected HELLO first, got {type(hello).__name__}")
             settings = SessionSettings.from_json(hello.settings)
-            config = worker_config(settings, self.draft)
+            config = replace(worker_config(settings, self.draft), cpu_affinity=self.options.cpus,
+                             log_level=logging.getLogger().level)
             layers = head_layers(config)
         except AuthenticationError as exc:
             logger.warning("refused a connection: %s", exc)
@@ -206,8 +204,7 @@ class DraftServer:
             try:
                 process = mp.get_context("spawn").Process(
                     target=run_session, name="ssd-draft-session", daemon=True,
-                    args=(sock, config, layers, received, self.draft.threads, self.options.cpus,
-                          logging.getLogger().level))
+                    args=(sock, config, layers, received))
                 process.start()
             except Exception as exc:
                 logger.exception("cannot start a session process")
@@ -220,40 +217,22 @@ class DraftServer:
         sock.close()  # the session's process holds its own copy
 
 
-def run_session(sock: socket.socket, config: WorkerConfig, layers: tuple[int, ...] | None, received: float,
-                threads: int | None, cpus: list[int] | None, log_level: int) -> None:
-    """A session's process: build the draft engine, answer READY (with the time since HELLO arrived, so the
-    engine can tell its link's round trip from the server's work, and an EAGLE-3 head's feature ``layers``, which
-    the engine then sends), then serve until the engine leaves."""
-    logging.basicConfig(level=log_level, format="%(asctime)s draft-session %(levelname)s: %(message)s")
+def run_session(sock: socket.socket, config: WorkerConfig, layers: tuple[int, ...] | None, received: float) -> None:
+    """A session's process: the draft worker over the session's socket. READY carries the time since HELLO
+    arrived (the engine tells its link's round trip from the server's work by it) and an EAGLE-3 head's feature
+    ``layers``, which the engine then sends. The process does not outlive its server."""
     threading.Thread(target=_exit_with, args=(os.getppid(),), name="ssd-draft-session-watch", daemon=True).start()
     channel = SocketChannel(sock)
     channel.settimeout(None)
-    if cpus and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, cpus)
-    threads = threads or (len(cpus) if cpus else None)
-    if threads:
-        torch.set_num_threads(threads)
+
+    def ready_info() -> dict[str, wire.Scalar]:
+        info: dict[str, wire.Scalar] = {"device": config.device, "setup_s": time.monotonic() - received}
+        if layers is not None:
+            info["feature_layers"] = ",".join(map(str, layers))
+        return info
+
     try:
-        engine = build_draft_engine(config)
-    except Exception as exc:
-        logger.exception("draft session failed to start")
-        _refuse(channel, f"draft server failed to start the session: {exc}")
-        return
-    info = {"device": config.device, "setup_s": time.monotonic() - received}
-    if layers is not None:
-        info["feature_layers"] = ",".join(map(str, layers))
-    channel.send_bytes(wire.ReadyMsg(info=info).pack())
-    spec = config.spec
-    worker = DraftWorker(channel, engine, FanOutPlanner(spec), BuildClock(channel.poll) if spec.interruptible_build
-                         else None)
-    try:
-        worker.run()
-    except (EOFError, OSError):
-        logger.warning("lost the engine at %s; session ended", channel.peer)
-    except Exception as exc:  # tell the engine (it decodes on without speculation)
-        logger.exception("session with %s failed", channel.peer)
-        _refuse(channel, f"draft server failed: {exc!r}")
+        run_draft_worker(channel, config, ready_info)
     finally:
         channel.close()
 
