@@ -130,3 +130,17 @@ def make_mode_models(checkpoint_factory, root: Path) -> tuple[str, str, str]:
     head = make_eagle3_head(root / "head", vocab_size=VOCAB, target_hidden_size=64, hidden_size=64,
                             feature_layers=LAYERS, seed=3)
     return str(target), str(draft), str(head)
+
+
+def self_draft_stats(target: str, prompts: list, params, method: str, engine: dict):
+    """The target as its own draft (``method`` draft_model or ssd; K = 4 fixed, no prompt lookup, so every draft is
+    the draft model's): asserts its outputs equal AR's and returns the engine's speculative counters."""
+    from ssd import LLM
+
+    spec = {"method": method, "model": target, "num_speculative_tokens": 4, "adaptive_lookahead": False,
+            "prompt_lookup": False}
+    with LLM(target, **engine) as ar:
+        expected = [o.token_ids for o in ar.generate(prompts, params)]
+    with LLM(target, **engine, speculative_config=spec) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        return llm.stats

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from eagle3_utils import SPEC_MODES, make_mode_models
+from eagle3_utils import SPEC_MODES, make_mode_models, self_draft_stats
 from ssd_utils import chi_square_gof, exact_joint
 
 from ssd import LLM, SamplingParams
@@ -138,14 +138,7 @@ def test_drafts_are_penalised_like_the_target(models):
     """With the target as its own draft, a draft penalised as the target is proposes what the target emits (measured:
     90 of 102 drafts accepted; drawn without penalties, 74 of 162)."""
     target, _, _ = models
-    params = _greedy(**PENALISED)
-    spec = {"method": "draft_model", "model": target, "num_speculative_tokens": 4, "adaptive_lookahead": False,
-            "prompt_lookup": False}
-    with LLM(target, **ENGINE) as ar:
-        expected = [o.token_ids for o in ar.generate(PROMPTS, params)]
-    with LLM(target, **ENGINE, speculative_config=spec) as llm:
-        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
-        stats = llm.stats
+    stats = self_draft_stats(target, PROMPTS, _greedy(**PENALISED), "draft_model", ENGINE)
     assert stats.num_accepted_tokens >= 0.8 * stats.num_draft_tokens > 0
 
 

@@ -16,7 +16,7 @@ import re
 
 import pytest
 import torch
-from eagle3_utils import SPEC_MODES, make_mode_models
+from eagle3_utils import SPEC_MODES, make_mode_models, self_draft_stats
 from ssd_utils import chi_square_gof, exact_joint
 
 from ssd import LLM, SamplingParams
@@ -233,13 +233,7 @@ def test_drafts_are_drawn_from_the_grammars_allowed_tokens(models, method):
     follows each sequence's grammar and keeps its tree's drafts and fork candidates to it."""
     target, _, _ = models
     params = SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=dict(regex="([a-z][0-9])+"))
-    spec = {"method": method, "model": target, "num_speculative_tokens": 4, "adaptive_lookahead": False,
-            "prompt_lookup": False}
-    with LLM(target, **ENGINE) as ar:
-        expected = [o.token_ids for o in ar.generate(PROMPTS, params)]
-    with LLM(target, **ENGINE, speculative_config=spec) as llm:
-        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
-        stats = llm.stats
+    stats = self_draft_stats(target, PROMPTS, params, method, ENGINE)
     assert stats.num_accepted_tokens >= 0.75 * stats.num_draft_tokens > 0
     if method == "ssd":  # the forks offer allowed candidates only, so the target's bonus tokens hit (12 of 12;
         assert stats.cache_hits >= 0.75 * stats.cache_lookups > 0  # 1 of 8 with unmasked forks)
